@@ -1,0 +1,19 @@
+"""tpunb: multi-core PyTorch/XLA training from a notebook that simply works.
+
+    import tpunb
+    tpunb.env()                      # what am I running on, and what will go wrong?
+    tpunb.simulate(cores=8)          # no TPU here: 8 TPU cores simulated on the CPU
+    results = tpunb.launch(train, config)   # train(rank, config) on every core
+
+Importing tpunb imports neither torch_xla nor any plotting library and leaves
+``os.environ`` alone; they are used only by the calls that need them.
+"""
+
+__version__ = "0.1.0"
+
+from tpunb.environment import Environment, env
+from tpunb.errors import RankError, TpunbError
+from tpunb.launcher import launch
+from tpunb.simulation import simulate
+
+__all__ = ["Environment", "RankError", "TpunbError", "env", "launch", "simulate"]

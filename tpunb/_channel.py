@@ -1,0 +1,70 @@
+"""Messages from the ranks to the notebook process, sent by value.
+
+One pipe per launch, created before the fork so every rank inherits it; a lock keeps
+messages from different ranks whole. Everything is pickled with plain ``pickle``: torch's
+multiprocessing reductions would share tensor storage by file descriptor, which fails
+with FileNotFoundError once the rank's process has exited. Tensors on an XLA device are
+moved to the CPU in the rank, since rebuilding them in the parent would start the XLA
+runtime there.
+"""
+
+import io
+import multiprocessing
+import pickle
+import queue
+import sys
+import threading
+
+
+class Channel:
+    """Ranks ``send``; the parent's reader thread puts each message in ``inbox``."""
+
+    def __init__(self):
+        context = multiprocessing.get_context("fork")
+        self._receiver, self._sender = context.Pipe(duplex=False)
+        self._lock = context.Lock()
+        self.inbox = queue.Queue()
+        self._reader = threading.Thread(target=self._read, name="tpunb-channel", daemon=True)
+
+    def send(self, message):
+        """Called in a rank: pickles ``message`` by value and writes it whole."""
+        data = dumps(message)
+        with self._lock:
+            self._sender.send_bytes(data)
+
+    def start(self):
+        self._reader.start()
+
+    def finish(self, timeout=5.0):
+        """Called in the parent once no rank runs: reads what is left, then closes the pipe."""
+        self._sender.close()
+        self._reader.join(timeout)
+        if not self._reader.is_alive():
+            self._receiver.close()
+
+    def _read(self):
+        while True:
+            try:
+                data = self._receiver.recv_bytes()
+            except (EOFError, OSError):
+                return
+            self.inbox.put(pickle.loads(data))
+
+
+class _ByValuePickler(pickle.Pickler):
+    def reducer_override(self, obj):
+        torch = sys.modules.get("torch")
+        if torch is None or not isinstance(obj, torch.Tensor):
+            return NotImplemented
+        if obj.device.type == "cpu" and (obj.is_leaf or not obj.requires_grad):
+            return NotImplemented
+        if isinstance(obj, torch.nn.Parameter):
+            return torch.nn.Parameter, (obj.detach().cpu(), obj.requires_grad)
+        return obj.detach().cpu().__reduce_ex__(pickle.HIGHEST_PROTOCOL)
+
+
+def dumps(obj):
+    """``pickle.dumps`` with every tensor sent by value and on the CPU."""
+    buffer = io.BytesIO()
+    _ByValuePickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+    return buffer.getvalue()

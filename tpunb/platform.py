@@ -1,0 +1,36 @@
+"""Where this Python runs (Colab, Kaggle, Binder, Jupyter, IPython or a script), read
+from ``sys.modules`` and environment variables without importing anything."""
+
+import os
+import sys
+
+# Kaggle's TPU image presets these; torch_xla only `setdefault`s them, so the preset
+# single-process values win and a multi-process spawn fails ("Expected 4 worker
+# addresses, got 1"). https://github.com/Lightning-AI/pytorch-lightning/issues/19313,
+# https://github.com/pytorch/xla/issues/8215
+SPAWN_BREAKING_VARIABLES = ("TPU_PROCESS_ADDRESSES", "CLOUD_TPU_TASK_ID")
+
+
+def name():
+    """``"colab"``, ``"kaggle"``, ``"binder"``, ``"jupyter"``, ``"ipython"`` or ``"script"``."""
+    if "google.colab" in sys.modules or "COLAB_RELEASE_TAG" in os.environ:
+        return "colab"
+    if "KAGGLE_KERNEL_RUN_TYPE" in os.environ or "KAGGLE_URL_BASE" in os.environ:
+        return "kaggle"
+    if "BINDER_LAUNCH_HOST" in os.environ or "BINDER_REPO_URL" in os.environ:
+        return "binder"
+    if in_kernel():
+        return "jupyter"
+    if "IPython" in sys.modules:
+        return "ipython"
+    return "script"
+
+
+def in_kernel():
+    """True inside a Jupyter kernel (Jupyter, Colab, Kaggle and Binder notebooks)."""
+    return "ipykernel" in sys.modules
+
+
+def spawn_breaking_variables():
+    """The preset variables (name -> value) that would break a multi-process spawn."""
+    return {k: os.environ[k] for k in SPAWN_BREAKING_VARIABLES if k in os.environ}
