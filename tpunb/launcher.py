@@ -190,7 +190,23 @@ def _rank_main(key, rank):
 
 
 def _describe(error):
-    return f"raised {type(error).__name__}: {error}"
+    description = f"raised {type(error).__name__}: {error}"
+    for symptom, explanation in _KNOWN_CAUSES:
+        if symptom in str(error):
+            description += f"\n\nLikely cause: {explanation}"
+    return description
+
+
+# Errors whose message alone does not say what to do.
+_KNOWN_CAUSES = [
+    (
+        "device_ready_queues_",
+        "this notebook's process ran a backward pass (loss.backward()) before the launch. "
+        "PyTorch's autograd engine starts once per process, and processes forked after that "
+        "cannot run backward on XLA devices (https://github.com/pytorch/xla/issues/4174). "
+        "Restart the kernel and run backward passes only inside launched functions.",
+    ),
+]
 
 
 # What a signal that killed a rank's process most likely means.
@@ -204,6 +220,15 @@ _SIGNAL_CAUSES = {
     signal.SIGTERM: "another process asked it to stop",
     signal.SIGBUS: "a memory access fault, often a full /dev/shm",
 }
+
+
+_SIMULATED_ABORT = (
+    "on simulated cores this is usually a collective that never completed: XLA waits 10 s "
+    "for every rank to join, then aborts. Every rank must build the same graph around a "
+    "collective (no rank-dependent Python numbers in it, e.g. torch.full(..., rank) or "
+    "x * rank: send them as tensors), all ranks must reach it, and its result must be "
+    "read (.item(), .cpu(), print) only after torch_xla.sync()"
+)
 
 
 class _Supervisor:
@@ -300,31 +325,31 @@ class _Supervisor:
         return [pickle.loads(self.results[rank]) for rank in expected]
 
     def _lost_error(self, missing):
-        deaths = []
+        deaths, signals = [], []
         for pid, process in sorted(self.processes.items()):
             code = process.exitcode
-            if code is None or code == 0:
+            if not code:
                 continue
-            ranks = sorted(r for r, p in self.rank_pids.items() if p == pid) or None
-            who = f"ranks {_span(ranks)}" if ranks else "a launch process"
+            ranks = sorted(r for r, p in self.rank_pids.items() if p == pid)
+            who = f"the process of ranks {_span(ranks)}" if ranks else "a launch process"
             if code < 0:
-                name = signal.Signals(-code).name
+                signals.append(signal.Signals(-code).name)
                 cause = _SIGNAL_CAUSES.get(-code, "")
-                deaths.append((ranks, name, f"{who} (pid {pid}) was killed by {name}: {cause}"))
+                if self.plan.simulated and -code == signal.SIGABRT:
+                    cause = _SIMULATED_ABORT
+                deaths.append(f"{who} (pid {pid}) was killed by {signals[-1]}: {cause}")
             else:
-                deaths.append((ranks, None, f"{who} (pid {pid}) exited with code {code}"))
+                deaths.append(f"{who} (pid {pid}) exited with code {code}")
         if deaths:
-            ranks = sorted({r for rs, _, _ in deaths for r in rs or ()}) or missing
-            return RankError(
-                "A launch process died before its ranks finished: "
-                + "; ".join(text for _, _, text in deaths)
-                + ".",
-                ranks=ranks,
-                signal=next((name for _, name, _ in deaths if name), None),
-            )
-        detail = f" ({type(self.spawn_error).__name__}: {self.spawn_error})" if self.spawn_error else ""
+            reason = "; ".join(deaths)
+        elif self.spawn_error is not None:
+            reason = f"{type(self.spawn_error).__name__}: {self.spawn_error}"
+        else:
+            reason = "they returned without a result"
         return RankError(
-            f"Ranks {_span(missing)} sent no result{detail}.", ranks=missing
+            f"Ranks {_span(missing)} did not finish: {reason}.",
+            ranks=missing,
+            signal=signals[0] if signals else None,
         )
 
 
@@ -332,8 +357,9 @@ def _raised_error(failures):
     first = min(failures)
     description, remote = failures[first]
     others = sorted(set(failures) - {first})
-    also = f" (ranks {_span(others)} failed too)" if others else ""
-    message = f"rank {first} {description}{also}."
+    message = f"rank {first} {description}"
+    if others:
+        message += f"\n(ranks {_span(others)} failed too)"
     if remote:
         message += f"\n\nTraceback from rank {first}:\n{remote.rstrip()}"
     return RankError(message, ranks=sorted(failures), remote_traceback=remote)

@@ -1,0 +1,59 @@
+import concurrent.futures
+import multiprocessing
+import os
+import pickle
+import subprocess
+import sys
+import textwrap
+
+import psutil
+import pytest
+
+import tpunb
+
+
+@pytest.fixture(autouse=True)
+def restore_environment():
+    """Every test leaves os.environ as it found it (simulate() sets variables)."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+@pytest.fixture
+def cores8():
+    """8 TPU cores simulated on the CPU with the real torch_xla."""
+    tpunb.simulate(cores=8)
+    return 8
+
+
+@pytest.fixture
+def no_children_left():
+    """Fails the test if a launch left any process behind."""
+    yield
+    leftover = psutil.Process().children(recursive=True)
+    assert leftover == [], f"processes left behind: {leftover}"
+
+
+def run_python(code, timeout=120):
+    """Runs ``code`` in a fresh Python process (for what would poison this one)."""
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def in_forked_process(fn, *args):
+    """``fn(*args)`` in a forked child. A backward pass in this process would start
+    PyTorch's autograd engine here and break XLA backward in every later launch
+    (https://github.com/pytorch/xla/issues/4174), so CPU references run there."""
+    context = multiprocessing.get_context("fork")
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=context) as pool:
+        return pickle.loads(pool.submit(_pickled_call, fn, *args).result())
+
+
+def _pickled_call(fn, *args):
+    return pickle.dumps(fn(*args))

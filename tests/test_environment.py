@@ -1,0 +1,108 @@
+import pytest
+
+import tpunb
+from tpunb import hardware, platform
+from tpunb.environment import Environment
+
+from conftest import run_python
+
+
+def _fake_pci(root, *device_ids):
+    for i, device_id in enumerate(device_ids):
+        slot = root / f"0000:00:{i:02x}.0"
+        slot.mkdir(parents=True)
+        (slot / "vendor").write_text("0x1ae0\n")
+        (slot / "device").write_text(f"{device_id}\n")
+    other = root / "0000:01:00.0"
+    other.mkdir()
+    (other / "vendor").write_text("0x8086\n")
+    (other / "device").write_text("0x0027\n")
+    return root
+
+
+@pytest.mark.parametrize(
+    "device_id, chips, accelerator_type_env, name, cores, layout",
+    [
+        ("0x0027", 4, "v3-8", "v3-8", 8, (4, 2)),
+        ("0x0027", 4, "v2-8", "v2-8", 8, (4, 2)),
+        ("0x0027", 4, None, "v2/v3-8", 8, (4, 2)),
+        ("0x005e", 4, None, "v4-8", 4, (4, 1)),
+        ("0x0063", 8, None, "v5e-8", 8, (8, 1)),
+        ("0x0063", 1, None, "v5e-1", 1, (1, 1)),
+        ("0x006f", 1, None, "v6e-1", 1, (1, 1)),
+    ],
+)
+def test_tpu_generation_cores_and_launch_layout_come_from_pci(
+    tmp_path, monkeypatch, device_id, chips, accelerator_type_env, name, cores, layout
+):
+    monkeypatch.delenv("ACCELERATOR_TYPE", raising=False)
+    if accelerator_type_env:
+        monkeypatch.setenv("TPU_ACCELERATOR_TYPE", accelerator_type_env)
+    else:
+        monkeypatch.delenv("TPU_ACCELERATOR_TYPE", raising=False)
+    tpu = hardware.detect(_fake_pci(tmp_path, *[device_id] * chips))
+    report = Environment("colab", tpu, None, "3.11", "2.9.0", "2.9.0", False, ())
+    assert (tpu.accelerator_type, report.cores) == (name, cores)
+    assert (report.processes, report.threads_per_process) == layout
+
+
+def test_no_google_device_means_no_tpu(tmp_path):
+    assert hardware.detect(_fake_pci(tmp_path)) is None
+
+
+@pytest.mark.parametrize(
+    "variable, expected",
+    [("COLAB_RELEASE_TAG", "colab"), ("KAGGLE_KERNEL_RUN_TYPE", "kaggle"),
+     ("BINDER_LAUNCH_HOST", "binder")],
+)
+def test_platform_is_read_from_the_environment(monkeypatch, variable, expected):
+    for other in ("COLAB_RELEASE_TAG", "KAGGLE_KERNEL_RUN_TYPE", "KAGGLE_URL_BASE",
+                  "BINDER_LAUNCH_HOST", "BINDER_REPO_URL"):
+        monkeypatch.delenv(other, raising=False)
+    assert platform.name() == "script"
+    monkeypatch.setenv(variable, "1")
+    assert platform.name() == expected
+
+
+def test_report_without_simulation_says_how_to_simulate():
+    result = run_python(
+        """
+        import tpunb
+        report = tpunb.env()
+        print(report.tpu, report.cores, report.torch, report.torch_xla, report.platform)
+        print(any("tpunb.simulate(cores=8)" in w for w in report.warnings))
+        """
+    )
+    assert result.stdout.split("\n")[:2] == ["None 0 2.9.0 2.9.0 script", "True"], result.stderr
+
+
+def test_report_of_simulated_cores_as_text_and_html(cores8):
+    report = tpunb.env()
+    assert (report.cores, report.processes, report.threads_per_process) == (8, 1, 8)
+    assert not report.runtime_started
+    assert not any("simulate" in w for w in report.warnings)
+    text = str(report)
+    assert "8 TPU cores simulated on the CPU" in text and "1 process x 8 threads" in text
+    html = report._repr_html_()
+    assert "<table>" in html and "1 process x 8 threads" in html
+
+
+def test_kaggle_presets_are_flagged(monkeypatch):
+    monkeypatch.setenv("TPU_PROCESS_ADDRESSES", "local")
+    assert any("TPU_PROCESS_ADDRESSES='local'" in w for w in tpunb.env().warnings)
+
+
+def test_report_never_starts_the_runtime_and_sees_when_it_was_started():
+    result = run_python(
+        """
+        import tpunb, torch_xla
+        tpunb.simulate(cores=8)
+        first = tpunb.env().runtime_started
+        assert not torch_xla._XLAC._xla_runtime_is_initialized()
+        torch_xla.device()
+        report = tpunb.env()
+        print(first, report.runtime_started, any("restart the kernel" in w for w in report.warnings))
+        """
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().endswith("False True True")

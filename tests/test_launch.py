@@ -1,0 +1,193 @@
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+
+import tpunb
+
+from conftest import run_python
+
+
+def _identity(rank, tag, *, scale=1):
+    import torch_xla.runtime as xr
+
+    return {"rank": rank, "ordinal": xr.global_ordinal(), "world": xr.world_size(),
+            "tag": tag, "scaled": rank * scale, "pid": os.getpid()}
+
+
+def test_every_rank_returns_in_rank_order(cores8, no_children_left):
+    results = tpunb.launch(_identity, "hello", scale=10)
+    assert [r["rank"] for r in results] == list(range(8))
+    assert [r["ordinal"] for r in results] == list(range(8))
+    assert {r["world"] for r in results} == {8}
+    assert [r["scaled"] for r in results] == [10 * r for r in range(8)]
+    assert {r["tag"] for r in results} == {"hello"}
+    assert os.getpid() not in {r["pid"] for r in results}
+
+
+def test_lambdas_and_closures_run_without_pickling(cores8):
+    offset = 100
+    counter = threading.Lock()  # unpicklable, captured by the closure
+
+    def closure(rank):
+        with counter:
+            return rank + offset
+
+    assert tpunb.launch(lambda rank: rank * 2) == [2 * r for r in range(8)]
+    assert tpunb.launch(closure) == [100 + r for r in range(8)]
+
+
+def _tensors(rank):
+    import torch_xla
+
+    device = torch_xla.device()
+    weight = torch.nn.Parameter(torch.full((2,), float(rank), device=device))
+    loss = (weight * 3).sum()  # not a leaf, requires grad
+    return {"cpu": torch.arange(3) + rank, "xla": torch.ones(2, device=device) * rank,
+            "parameter": weight, "loss": loss}
+
+
+def test_tensors_come_back_by_value_on_the_cpu(cores8):
+    results = tpunb.launch(_tensors)
+    time.sleep(0.2)  # the ranks' process is gone: nothing may refer to its memory
+    for rank, result in enumerate(results):
+        assert torch.equal(result["cpu"], torch.arange(3) + rank)
+        assert result["xla"].device.type == "cpu"
+        assert torch.equal(result["xla"], torch.ones(2) * rank)
+        assert isinstance(result["parameter"], torch.nn.Parameter)
+        assert result["loss"].item() == 6.0 * rank
+    import sys
+
+    assert not sys.modules["torch_xla"]._XLAC._xla_runtime_is_initialized()
+
+
+def _fails_on_rank_3(rank):
+    if rank == 3:
+        raise ValueError("bad batch on rank 3")
+    import torch
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+
+    # The others wait in a collective that rank 3 never joins.
+    xm.all_reduce(xm.REDUCE_SUM, torch.ones(1, device=torch_xla.device()))
+    torch_xla.sync()
+    return rank
+
+
+def test_an_exception_in_rank_3_names_it_with_its_traceback(cores8, no_children_left):
+    start = time.monotonic()
+    with pytest.raises(tpunb.RankError) as caught:
+        tpunb.launch(_fails_on_rank_3)
+    assert time.monotonic() - start < 10
+    error = caught.value
+    assert error.ranks == (3,)
+    assert str(error).startswith("rank 3 raised ValueError: bad batch on rank 3")
+    assert "Traceback from rank 3" in str(error)
+    assert 'raise ValueError("bad batch on rank 3")' in error.remote_traceback
+    assert "_fails_on_rank_3" in error.remote_traceback
+
+
+def _killed_on_rank_5(rank):
+    if rank == 5:
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(30)
+
+
+def test_a_rank_killed_by_sigkill_is_reported_with_the_likely_cause(cores8, no_children_left):
+    start = time.monotonic()
+    with pytest.raises(tpunb.RankError) as caught:
+        tpunb.launch(_killed_on_rank_5)
+    assert time.monotonic() - start < 10
+    assert caught.value.signal == "SIGKILL"
+    assert caught.value.ranks == tuple(range(8))  # simulated cores share one process
+    assert "out of memory" in str(caught.value)
+
+
+def test_a_result_that_cannot_be_sent_back_names_the_rank_and_type(cores8):
+    with pytest.raises(tpunb.RankError, match=r"rank 0 returned a _thread.lock"):
+        tpunb.launch(lambda rank: threading.Lock())
+
+
+def test_launch_runs_again_after_a_failure(cores8, no_children_left):
+    with pytest.raises(tpunb.RankError):
+        tpunb.launch(_fails_on_rank_3)
+    assert tpunb.launch(lambda rank: rank) == list(range(8))
+    assert tpunb.launch(lambda rank: rank) == list(range(8))
+
+
+def test_one_core_is_a_debug_mode_that_leaves_the_kernel_usable(cores8, no_children_left):
+    import torch_xla
+
+    (single,) = tpunb.launch(_identity, "one", cores=1)
+    assert (single["rank"], single["world"]) == (0, 1)
+    assert not torch_xla._XLAC._xla_runtime_is_initialized()
+    assert len(tpunb.launch(_identity, "all")) == 8
+
+
+@pytest.fixture
+def forks():
+    counts = {"forks": 0}
+    os.register_at_fork(before=lambda: counts.__setitem__("forks", counts["forks"] + 1))
+    yield counts
+
+
+@pytest.mark.parametrize(
+    "fn, args, kwargs, message",
+    [
+        (_identity, ("x",), {"cores": 3}, r"cores=3.*all 8 simulated cores or on 1"),
+        (_identity, ("x",), {"cores": 0}, r"cores=0"),
+        (_identity, (), {}, r"cannot be called as _identity\(rank, \*args, \*\*kwargs\)"),
+        (lambda: 1, (), {}, r"The first parameter receives the core's rank"),
+        ({"rank": 0}, (), {}, r"needs a function to run on every core, got dict"),
+    ],
+)
+def test_bad_input_is_refused_before_any_fork(cores8, forks, fn, args, kwargs, message):
+    with pytest.raises(tpunb.TpunbError, match=message):
+        tpunb.launch(fn, *args, **kwargs)
+    assert forks["forks"] == 0
+
+
+def test_without_tpu_or_simulation_the_error_offers_simulate():
+    result = run_python(
+        """
+        import tpunb
+        try:
+            tpunb.launch(print)
+        except tpunb.TpunbError as error:
+            print(error)
+        """
+    )
+    assert "No TPU found" in result.stdout and "tpunb.simulate(cores=8)" in result.stdout
+
+
+def test_a_parent_that_touched_the_device_is_refused_before_forking():
+    result = run_python(
+        """
+        import os, tpunb, torch_xla
+        forks = []
+        os.register_at_fork(before=lambda: forks.append(1))
+        tpunb.simulate(cores=8)
+        torch_xla.device()
+        try:
+            tpunb.launch(print)
+        except tpunb.TpunbError as error:
+            print(len(forks), error)
+        """
+    )
+    assert result.stdout.startswith("0 The XLA runtime is already running"), result.stderr
+    assert "torch_xla.device()" in result.stdout and "Start a new Python process" in result.stdout
+
+
+def _spawn_variables(rank):
+    return os.environ.get("TPU_PROCESS_ADDRESSES"), os.environ.get("CLOUD_TPU_TASK_ID")
+
+
+def test_kaggle_presets_are_removed_for_the_launch_and_restored(cores8, monkeypatch):
+    monkeypatch.setenv("TPU_PROCESS_ADDRESSES", "local")
+    monkeypatch.setenv("CLOUD_TPU_TASK_ID", "0")
+    assert set(tpunb.launch(_spawn_variables)) == {(None, None)}
+    assert os.environ["TPU_PROCESS_ADDRESSES"] == "local"
+    assert os.environ["CLOUD_TPU_TASK_ID"] == "0"

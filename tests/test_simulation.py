@@ -1,0 +1,100 @@
+import pytest
+
+import tpunb
+
+from conftest import run_python
+
+
+@pytest.mark.parametrize("cores", [0, -8, "8", 2.0, True])
+def test_simulate_refuses_a_bad_core_count(cores):
+    with pytest.raises(tpunb.TpunbError, match="positive integer"):
+        tpunb.simulate(cores=cores)
+
+
+def test_simulate_refuses_once_the_runtime_runs():
+    result = run_python(
+        """
+        import tpunb, torch_xla
+        tpunb.simulate(cores=8)
+        torch_xla.device()
+        try:
+            tpunb.simulate(cores=4)
+        except tpunb.TpunbError as error:
+            print("refused:", error)
+        """
+    )
+    assert "refused: The XLA runtime is already running" in result.stdout, result.stderr
+
+
+def _collectives(rank):
+    import torch
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+
+    device = torch_xla.device()
+    value = torch.tensor([float(rank + 1)], device=device)
+    total = xm.all_reduce(xm.REDUCE_SUM, value)
+    biggest = xm.all_reduce(xm.REDUCE_MAX, value, groups=[[0, 1, 2, 3], [4, 5, 6, 7]])
+    gathered = xm.all_gather(torch.tensor([rank, 10 * rank], device=device))
+    columns = xm.all_gather(torch.tensor([[rank], [rank]], dtype=torch.float, device=device), dim=1)
+    native = xm.all_gather(torch.tensor([rank], device=device), pin_layout=False)
+    torch_xla.sync()
+    payloads = xm.rendezvous("exchange", f"from {rank}".encode())
+    mean = xm.mesh_reduce("mean", rank, lambda values: sum(values) / len(values))
+    return {
+        "sum": total.item(),
+        "max": biggest.item(),
+        "gathered": gathered.tolist(),
+        "columns": columns.tolist(),
+        "native": native.tolist(),
+        "payloads": payloads,
+        "mean": mean,
+    }
+
+
+def test_collectives_complete_on_8_simulated_cores(cores8):
+    results = tpunb.launch(_collectives)
+    for rank, result in enumerate(results):
+        assert result["sum"] == 36.0
+        assert result["max"] == (4.0 if rank < 4 else 8.0)
+        assert result["gathered"] == [v for r in range(8) for v in (r, 10 * r)]
+        assert result["columns"] == [[float(r) for r in range(8)]] * 2
+        assert result["native"] == list(range(8))
+        assert result["payloads"] == [f"from {r}".encode() for r in range(8)]
+        assert result["mean"] == 3.5
+
+
+def _rank_zero_evaluates_alone(rank):
+    import torch
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+
+    device = torch_xla.device()
+    weight = torch.ones(4, device=device)
+    evaluations = 0
+    for step in range(3):
+        local = torch.tensor([float(rank)] * 4, device=device)  # data, not a graph constant
+        gradient = xm.all_reduce(xm.REDUCE_SUM, local)
+        weight = weight - 0.01 * gradient
+        torch_xla.sync()
+        if rank == 0:  # work on one rank only: its syncs must not wait for the others
+            for _ in range(step + 1):
+                (weight * 2).sum().item()
+                torch_xla.sync()
+                evaluations += 1
+    return weight.tolist(), evaluations
+
+
+def test_syncs_on_one_rank_only_do_not_block_collectives(cores8):
+    results = tpunb.launch(_rank_zero_evaluates_alone)
+    assert all(weights == results[0][0] for weights, _ in results)
+    assert results[0][0] == pytest.approx([1 - 3 * 0.01 * 28] * 4)
+    assert [evaluations for _, evaluations in results] == [6] + [0] * 7
+
+
+def test_simulation_is_refused_on_a_machine_with_a_tpu(monkeypatch):
+    from tpunb import hardware
+
+    monkeypatch.setattr(hardware, "detect", lambda: hardware.Tpu("v5e", 8))
+    with pytest.raises(tpunb.TpunbError, match="has a TPU"):
+        tpunb.simulate(cores=8)
