@@ -145,9 +145,9 @@ def _warnings(report):
         )
     if report.threads_per_process > 1:
         yield (
-            f"{report.threads_per_process} ranks share each process, and so torch's random "
-            "number generator: build the model before the launch (or broadcast rank 0's "
-            "weights with xm.broadcast_master_param) so every core starts from the same weights."
+            f"{report.threads_per_process} ranks run as threads of each process, so they share "
+            "its objects and torch's random number generator: build the model before the "
+            "launch, and in each rank take copy.deepcopy(model) before .to(device)."
         )
     preset = platform.spawn_breaking_variables()
     if preset:

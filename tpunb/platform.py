@@ -28,7 +28,11 @@ def name():
 
 def in_kernel():
     """True inside a Jupyter kernel (Jupyter, Colab, Kaggle and Binder notebooks)."""
-    return "ipykernel" in sys.modules
+    # A process can import ipykernel without being a kernel (nbval does): ask the running
+    # IPython shell, if IPython is already imported, whether it serves a kernel.
+    ipython = sys.modules.get("IPython")
+    shell = ipython.get_ipython() if ipython is not None else None
+    return getattr(shell, "kernel", None) is not None
 
 
 def spawn_breaking_variables():
