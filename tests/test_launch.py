@@ -191,3 +191,28 @@ def test_kaggle_presets_are_removed_for_the_launch_and_restored(cores8, monkeypa
     assert set(tpunb.launch(_spawn_variables)) == {(None, None)}
     assert os.environ["TPU_PROCESS_ADDRESSES"] == "local"
     assert os.environ["CLOUD_TPU_TASK_ID"] == "0"
+
+
+def test_interrupting_the_kernel_stops_every_rank_and_the_next_launch_works():
+    result = run_python(
+        """
+        import os, signal, threading, time
+        import psutil, tpunb
+
+        tpunb.simulate(cores=8)
+
+        def forever(rank):
+            while True:
+                time.sleep(0.1)
+
+        threading.Timer(3.0, os.kill, (os.getpid(), signal.SIGINT)).start()
+        start = time.monotonic()
+        try:
+            tpunb.launch(forever)
+        except KeyboardInterrupt:
+            stopped = time.monotonic() - start - 3.0
+            print("interrupted", stopped < 5, psutil.Process().children(recursive=True))
+        print(tpunb.launch(lambda rank: rank))
+        """
+    )
+    assert result.stdout.splitlines() == ["interrupted True []", str(list(range(8)))], result.stderr

@@ -52,12 +52,21 @@ class Channel:
 
 
 class _ByValuePickler(pickle.Pickler):
+    synced = False
+
     def reducer_override(self, obj):
         torch = sys.modules.get("torch")
         if torch is None or not isinstance(obj, torch.Tensor):
             return NotImplemented
         if obj.device.type == "cpu" and (obj.is_leaf or not obj.requires_grad):
             return NotImplemented
+        if obj.device.type == "xla" and not self.synced:
+            # Run the device work still pending (through torch_xla.sync, so collectives
+            # complete on simulated cores) before the first value is read back.
+            import torch_xla
+
+            torch_xla.sync()
+            self.synced = True
         if isinstance(obj, torch.nn.Parameter):
             return torch.nn.Parameter, (obj.detach().cpu(), obj.requires_grad)
         return obj.detach().cpu().__reduce_ex__(pickle.HIGHEST_PROTOCOL)

@@ -2,7 +2,7 @@
 
 Used only under ``tpunb.simulate`` (never on a TPU). Upstream, collectives between
 threads on PJRT CPU devices hang (https://github.com/pytorch/xla/issues/5005,
-https://github.com/pytorch/xla/issues/9089). docs/cpu-simulation.md has the
+https://github.com/pytorch/xla/issues/9089). docs/simulation.md has the
 measurements; in short, three things must hold for a step that contains a collective:
 
 1. torch_xla's thread pool has a thread for every replica (``XLA_THREAD_POOL_SIZE``,

@@ -3,6 +3,7 @@ XLA runtime and without asking the network (the metadata server 404s on Colab,
 https://github.com/pytorch/xla/issues/6568)."""
 
 import dataclasses
+import functools
 import glob
 import os
 
@@ -47,6 +48,18 @@ class Tpu:
 
 def detect(pci_root="/sys/bus/pci/devices"):
     """The TPU on this host, or None. Safe before any launch: reads files only."""
+    generations = _pci_tpu_generations(pci_root)
+    if not generations:
+        return None
+    generation = generations[0]
+    if generation == "v2/v3":
+        generation = _v2_or_v3_from_environment() or generation
+    return Tpu(generation=generation, chips=len(generations))
+
+
+@functools.lru_cache(maxsize=None)
+def _pci_tpu_generations(pci_root):
+    # Cached: the chips attached to a host do not change while Python runs.
     generations = []
     for vendor_path in sorted(glob.glob(os.path.join(pci_root, "*", "vendor"))):
         if _read(vendor_path) != _GOOGLE_PCI_VENDOR:
@@ -54,12 +67,7 @@ def detect(pci_root="/sys/bus/pci/devices"):
         device_id = _read(os.path.join(os.path.dirname(vendor_path), "device"))
         if device_id in _TPU_PCI_DEVICES:
             generations.append(_TPU_PCI_DEVICES[device_id])
-    if not generations:
-        return None
-    generation = generations[0]
-    if generation == "v2/v3":
-        generation = _v2_or_v3_from_environment() or generation
-    return Tpu(generation=generation, chips=len(generations))
+    return tuple(generations)
 
 
 def _v2_or_v3_from_environment():

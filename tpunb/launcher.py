@@ -170,9 +170,6 @@ def _rank_main(key, rank):
     job.channel.send(("started", rank, os.getpid()))
     try:
         result = job.fn(rank, *job.args, **job.kwargs)
-        import torch_xla
-
-        torch_xla.sync()  # finish pending device work before results are read
     except BaseException as error:  # noqa: BLE001 - everything goes back to the notebook
         job.channel.send(("raised", rank, _describe(error), traceback.format_exc()))
         return
@@ -244,6 +241,7 @@ class _Supervisor:
         self.rank_pids = {}
         self.processes = {}  # pid -> multiprocessing.Process, to read exit codes
         self.stopping = False
+        self.spawn_ended = False
         self.spawn_error = None
         # Children the notebook had before this launch are never ours to stop.
         self.foreign = {process.pid for process in multiprocessing.active_children()}
@@ -254,15 +252,15 @@ class _Supervisor:
         self.channel.start()
         spawner.start()
         try:
-            self._watch(spawner)
+            self._watch()
         except KeyboardInterrupt:
             self._stop()
-            self._watch(spawner)
+            self._watch()
             raise
         finally:
-            if spawner.is_alive():  # only after a second interrupt
+            if not self.spawn_ended:  # only after a second interrupt
                 self._stop()
-                spawner.join(5)
+            spawner.join(5)
             self._track_children()
             self.channel.finish()
             self._read_inbox()
@@ -273,14 +271,15 @@ class _Supervisor:
             spawn(self.key)
         except BaseException as error:  # noqa: BLE001 - reported by _outcome
             self.spawn_error = error
+        finally:
+            self.channel.inbox.put(("spawn ended", None))  # wakes _watch at once
 
-    def _watch(self, spawner):
-        while spawner.is_alive():
-            self._track_children()
+    def _watch(self):
+        while not self.spawn_ended:
             try:
-                self._handle(self.channel.inbox.get(timeout=0.05))
+                self._handle(self.channel.inbox.get(timeout=0.1))
             except queue.Empty:
-                pass
+                self._track_children()
             if self.failures and not self.stopping:
                 self._stop()
             if self.stopping:
@@ -307,9 +306,12 @@ class _Supervisor:
 
     def _handle(self, message):
         kind, rank = message[0], message[1]
-        if kind == "started":
+        if kind == "spawn ended":
+            self.spawn_ended = True
+        elif kind == "started":
             self.rank_pids[rank] = message[2]
-            self._track_children()
+            if message[2] not in self.processes:
+                self._track_children()
         elif kind == "raised":
             self.failures.setdefault(rank, (message[2], message[3]))
         elif kind == "returned":
