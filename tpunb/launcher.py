@@ -171,7 +171,9 @@ def _rank_main(key, rank):
     try:
         result = job.fn(rank, *job.args, **job.kwargs)
     except BaseException as error:  # noqa: BLE001 - everything goes back to the notebook
-        job.channel.send(("raised", rank, _describe(error), traceback.format_exc()))
+        # The traceback starts in the user's function, not in this wrapper.
+        remote = traceback.format_exception(type(error), error, error.__traceback__.tb_next)
+        job.channel.send(("raised", rank, _describe(error), "".join(remote)))
         return
     try:
         payload = _channel.dumps(result)
@@ -212,8 +214,8 @@ _SIGNAL_CAUSES = {
     "stopped it; use less memory per core (smaller batches, data built once before the "
     "launch so the fork shares it)",
     signal.SIGSEGV: "a crash in native code (torch, torch_xla or a C extension)",
-    signal.SIGABRT: "a fatal error in native code, usually torch_xla's runtime; its message "
-    "went to the process's stderr (for a notebook: the Jupyter server's log)",
+    signal.SIGABRT: "a fatal error in native code, usually torch_xla's runtime, whose "
+    "message went to stderr (shown above in a notebook, or in the Jupyter server's log)",
     signal.SIGTERM: "another process asked it to stop",
     signal.SIGBUS: "a memory access fault, often a full /dev/shm",
 }
