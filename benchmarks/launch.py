@@ -4,6 +4,8 @@
    xmp.spawn(..., start_method="fork") of the same function (target: at most 1.10).
 2. A full data-parallel epoch through tpunb.launch against the same loop launched by
    hand with xmp.spawn (target: at most 1.05).
+3. The hang watchdog's cost: the same epoch with the watchdog on (the default) against
+   hang_timeout=None (target: nothing measurable, i.e. within noise of 1.00).
 
 Runs alternate between the two sides so drift on the machine hits both alike; each
 figure is the median of the repeats. Run: python benchmarks/launch.py [--repeats N]
@@ -60,25 +62,28 @@ def seconds(call):
     return time.perf_counter() - start
 
 
-def compare(name, fn, repeats, target):
-    import torch_xla.distributed.xla_multiprocessing as xmp
-
-    sides = {
-        "xmp.spawn": lambda: xmp.spawn(fn, start_method="fork"),
-        "tpunb.launch": lambda: tpunb.launch(fn),
-    }
+def compare(name, sides, repeats, target):
+    """Median seconds of each side's call, alternating sides; prints second / first."""
     for call in sides.values():  # warm-up: imports and first compilations
         call()
     times = {side: [] for side in sides}
     for _ in range(repeats):
         for side, call in sides.items():
             times[side].append(seconds(call))
-    base, ours = (statistics.median(times[s]) for s in sides)
+    (base_name, base), (our_name, ours) = ((s, statistics.median(times[s])) for s in sides)
     print(
-        f"{name:<28} xmp.spawn {base:7.3f} s   tpunb.launch {ours:7.3f} s   "
+        f"{name:<32} {base_name} {base:6.3f} s   {our_name} {ours:6.3f} s   "
         f"ratio {ours / base:5.3f}   (target <= {target:.2f}, median of {repeats})"
     )
-    return ours / base
+
+
+def against_xmp_spawn(fn):
+    import torch_xla.distributed.xla_multiprocessing as xmp
+
+    return {
+        "xmp.spawn": lambda: xmp.spawn(fn, start_method="fork"),
+        "tpunb.launch": lambda: tpunb.launch(fn),
+    }
 
 
 def main():
@@ -86,9 +91,14 @@ def main():
     parser.add_argument("--repeats", type=int, default=7)
     repeats = parser.parse_args().repeats
     tpunb.simulate(cores=8)
-    compare("launch of a trivial function", trivial, repeats, 1.10)
     steps = SAMPLES // 8 // BATCH
-    compare(f"data-parallel epoch ({steps} steps)", epoch, repeats, 1.05)
+    compare("launch of a trivial function", against_xmp_spawn(trivial), repeats, 1.10)
+    compare(f"data-parallel epoch ({steps} steps)", against_xmp_spawn(epoch), repeats, 1.05)
+    watchdog = {
+        "watchdog off": lambda: tpunb.launch(epoch, hang_timeout=None),
+        "watchdog on": lambda: tpunb.launch(epoch),
+    }
+    compare("the same epoch, hang watchdog", watchdog, repeats, 1.00)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,9 @@
+import gc
 import os
 import signal
 import threading
 import time
+import warnings
 
 import pytest
 import torch
@@ -90,20 +92,31 @@ def test_an_exception_in_rank_3_names_it_with_its_traceback(cores8, no_children_
     assert "_fails_on_rank_3" in error.remote_traceback
 
 
-def _killed_on_rank_5(rank):
+def _dies_on_rank_5(rank, how):
     if rank == 5:
-        os.kill(os.getpid(), signal.SIGKILL)
+        if how == "SIGKILL":  # what the host's OOM killer sends
+            os.kill(os.getpid(), signal.SIGKILL)
+        else:  # a real segmentation fault: reading address 0
+            import ctypes
+
+            ctypes.string_at(0)
     time.sleep(30)
 
 
-def test_a_rank_killed_by_sigkill_is_reported_with_the_likely_cause(cores8, no_children_left):
+@pytest.mark.parametrize(
+    "how, cause",
+    [("SIGKILL", "most likely the host ran out of memory"), ("SIGSEGV", "a crash in native code")],
+)
+def test_a_rank_killed_by_a_signal_is_reported_with_the_likely_cause(
+    cores8, no_children_left, how, cause
+):
     start = time.monotonic()
     with pytest.raises(tpunb.RankError) as caught:
-        tpunb.launch(_killed_on_rank_5)
+        tpunb.launch(_dies_on_rank_5, how)
     assert time.monotonic() - start < 10
-    assert caught.value.signal == "SIGKILL"
+    assert caught.value.signal == how
     assert caught.value.ranks == tuple(range(8))  # simulated cores share one process
-    assert "out of memory" in str(caught.value)
+    assert f"was killed by {how}: {cause}" in str(caught.value)
 
 
 def test_a_result_that_cannot_be_sent_back_names_the_rank_and_type(cores8):
@@ -137,6 +150,7 @@ def forks():
 @pytest.mark.parametrize(
     "fn, args, kwargs, message",
     [
+        (_identity, ("x",), {"start_method": "spawn"}, r"tpunb always forks"),
         (_identity, ("x",), {"cores": 3}, r"cores=3.*all 8 simulated cores or on 1"),
         (_identity, ("x",), {"cores": 0}, r"cores=0"),
         (_identity, (), {}, r"cannot be called as _identity\(rank, \*args, \*\*kwargs\)"),
@@ -216,3 +230,87 @@ def test_interrupting_the_kernel_stops_every_rank_and_the_next_launch_works():
         """
     )
     assert result.stdout.splitlines() == ["interrupted True []", str(list(range(8)))], result.stderr
+
+
+def _skips_a_collective(rank, blocks):
+    import torch
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+
+    device = torch_xla.device()
+    for step in range(3):
+        if rank == 3 and step == 1:
+            if blocks:
+                time.sleep(600)  # a rank blocked forever
+            return rank  # the classic mismatch: skips the collective the others enter
+        xm.all_reduce(xm.REDUCE_SUM, torch.ones(1, device=device))
+        torch_xla.sync()
+    return rank
+
+
+@pytest.mark.parametrize("blocks", [False, True], ids=["skips-collective", "blocks-forever"])
+def test_a_hang_is_reported_with_steps_and_stacks_then_stopped(cores8, no_children_left, blocks):
+    start = time.monotonic()
+    with pytest.raises(tpunb.RankError) as caught:
+        tpunb.launch(_skips_a_collective, blocks, hang_timeout=2)
+    assert time.monotonic() - start < 8  # before XLA's own 10 s abort
+    error = caught.value
+    others = [r for r in range(8) if r != 3]
+    assert "No rank finished a step for 2 s (hang_timeout=2)" in str(error)
+    assert "ranks 0, 1, 2, 4, 5, 6, 7: after step 1, waiting in a collective" in str(error)
+    if blocks:
+        assert error.ranks == tuple(range(8))
+        assert "rank 3: after step 1, in File" in str(error) and "in _skips_a_collective" in str(error)
+        assert "time.sleep(600)" not in error.stacks[3]  # faulthandler gives lines, not source
+        assert "_skips_a_collective" in error.stacks[3]
+    else:
+        assert error.ranks == tuple(others)
+    assert all("_cpu_collectives.py" in error.stacks[r] for r in others)
+
+
+def test_hang_timeout_must_be_positive_seconds_or_none(cores8):
+    with pytest.raises(tpunb.TpunbError, match=r"hang_timeout=0\)"):
+        tpunb.launch(_identity, "x", hang_timeout=0)
+    assert len(tpunb.launch(_identity, "x", hang_timeout=None)) == 8
+
+
+def _sums(rank, loader):
+    return sum(float(batch[0].sum()) for batch in loader)
+
+
+def test_a_dataloader_with_worker_processes_is_warned_about_before_forking(cores8, forks):
+    from torch.utils.data import DataLoader, TensorDataset
+
+    loader = DataLoader(TensorDataset(torch.arange(64.0)), batch_size=8, num_workers=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tpunb.TpunbWarning)  # the warning, raised, stops it
+        with pytest.raises(tpunb.TpunbWarning, match=r"num_workers=2 .* 8 ranks .* \(16 in all"):
+            tpunb.launch(_sums, loader)
+    assert forks["forks"] == 0
+    # Warned, not refused: it works, at a cost.
+    with pytest.warns(tpunb.TpunbWarning):
+        assert tpunb.launch(_sums, loader) == [2016.0] * 8
+
+
+def _open_descriptors():
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_twenty_launches_leave_no_process_no_descriptor_and_little_memory(cores8, no_children_left):
+    import psutil
+
+    tpunb.launch(lambda rank: rank)  # warm-up: imports, first allocations
+    gc.collect()  # what earlier tests left for the collector; tpunb's own must not need it
+    descriptors, memory = _open_descriptors(), psutil.Process().memory_info().rss
+    for launch in range(20):
+        if launch % 5 == 4:  # failed launches clean up too
+            with pytest.raises(tpunb.RankError):
+                tpunb.launch(_fails_on_rank_3)
+        else:
+            assert tpunb.launch(lambda rank: torch.ones(1000) * rank)[7][0] == 7
+    assert psutil.Process().children(recursive=True) == []
+    assert _open_descriptors() == descriptors
+    growth = psutil.Process().memory_info().rss - memory
+    print(f"20 launches: descriptors {descriptors} -> {_open_descriptors()}, rss +{growth / 2**20:.1f} MiB")
+    assert growth < 20 * 2**20
+    assert [t.name for t in threading.enumerate() if t.name.startswith("tpunb")] == []

@@ -12,8 +12,8 @@ Importing tpunb imports neither torch_xla nor any plotting library and leaves
 __version__ = "0.1.0"
 
 from tpunb.environment import Environment, env
-from tpunb.errors import RankError, TpunbError
+from tpunb.errors import RankError, TpunbError, TpunbWarning
 from tpunb.launcher import launch
 from tpunb.simulation import simulate
 
-__all__ = ["Environment", "RankError", "TpunbError", "env", "launch", "simulate"]
+__all__ = ["Environment", "RankError", "TpunbError", "TpunbWarning", "env", "launch", "simulate"]

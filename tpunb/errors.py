@@ -1,4 +1,5 @@
-"""The errors tpunb raises: one class for the package, one for failures inside a rank."""
+"""The errors tpunb raises: one class for the package, one for failures inside a rank,
+and one warning class."""
 
 
 class TpunbError(Exception):
@@ -10,11 +11,17 @@ class RankError(TpunbError):
 
     ``ranks`` lists the failing ranks; ``remote_traceback`` is the rank's own
     traceback text when it raised (None when it was killed); ``signal`` is the
-    signal's name when a process was killed (None otherwise).
+    signal's name when a process was killed (None otherwise); ``stacks`` maps each rank
+    still running when a hang was detected to its Python stack (empty otherwise).
     """
 
-    def __init__(self, message, *, ranks, remote_traceback=None, signal=None):
+    def __init__(self, message, *, ranks, remote_traceback=None, signal=None, stacks=None):
         super().__init__(message)
         self.ranks = tuple(ranks)
         self.remote_traceback = remote_traceback
         self.signal = signal
+        self.stacks = dict(stacks or {})
+
+
+class TpunbWarning(UserWarning):
+    """Something will work, but slowly or riskily; the message says what to change."""

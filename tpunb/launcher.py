@@ -10,15 +10,17 @@ import inspect
 import itertools
 import multiprocessing
 import os
+import pickle
 import queue
 import signal
 import sys
-import pickle
 import threading
+import time
 import traceback
+import warnings
 
-from tpunb import _channel, _processes, hardware, platform, simulation
-from tpunb.errors import RankError, TpunbError
+from tpunb import _channel, _processes, _progress, hardware, platform, simulation
+from tpunb.errors import RankError, TpunbError, TpunbWarning
 
 # Jobs waiting to run, by key. The forked ranks find their job here (fork copies this
 # process's memory), so the function and its arguments are never pickled: functions
@@ -33,6 +35,7 @@ class _Job:
     args: tuple
     kwargs: dict
     channel: _channel.Channel
+    progress: _progress.Progress
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,22 +45,80 @@ class _Plan:
     simulated: bool
 
 
-def launch(fn, *args, cores=None, **kwargs):
+def launch(fn, *args, cores=None, hang_timeout=600, start_method="fork", **kwargs):
     """Run ``fn(rank, *args, **kwargs)`` on every TPU core; return the ranks' results by rank.
 
     ``cores=None`` (or the core count) runs on all cores; ``cores=1`` runs one rank in a
     child process, a debug mode that leaves the notebook's kernel able to launch again.
-    Everything that would break the launch is refused before any process starts.
+    When no running rank has finished a step (``torch_xla.sync``) for ``hang_timeout``
+    seconds, the launch is stopped and each rank's step and Python stack reported
+    (``None``: wait forever). Everything that would break the launch is refused before
+    any process starts.
     """
+    _check_start_method(start_method)
     _check_callable(fn, args, kwargs)
+    _check_hang_timeout(hang_timeout)
     plan = _plan(cores)
+    _warn_about_worker_processes(plan, args, kwargs)
     key = next(_job_keys)
-    _jobs[key] = _Job(fn, args, kwargs, _channel.Channel())
+    _jobs[key] = _Job(fn, args, kwargs, _channel.Channel(), _progress.Progress(plan.cores))
     try:
-        with _without_spawn_breaking_variables():
-            return _Supervisor(plan, key).run()
+        with _without_spawn_breaking_variables(), _progress.watching() as stacks:
+            return _Supervisor(plan, key, hang_timeout, stacks).run()
     finally:
-        del _jobs[key]
+        _jobs.pop(key).progress.close()
+
+
+def _check_start_method(start_method):
+    if start_method == "fork":
+        return
+    why = (
+        "In a notebook, spawned processes cannot find the functions defined in it "
+        "(https://github.com/pytorch/xla/issues/2750). "
+        if platform.in_kernel()
+        else ""
+    )
+    raise TpunbError(
+        f"launch(start_method={start_method!r}): tpunb always forks, which is what lets "
+        f"functions defined in a notebook, closures and lambdas run on the cores. {why}"
+        "Leave start_method out; outside a notebook, call torch_xla's xmp.spawn directly "
+        "to use another start method."
+    )
+
+
+def _check_hang_timeout(hang_timeout):
+    if hang_timeout is None:
+        return
+    if isinstance(hang_timeout, bool) or not isinstance(hang_timeout, (int, float)) or hang_timeout <= 0:
+        raise TpunbError(
+            f"launch(hang_timeout={hang_timeout!r}): give the seconds a launch may go without "
+            "any rank finishing a step before it is stopped, e.g. 600, or None to never stop it."
+        )
+
+
+def _warn_about_worker_processes(plan, args, kwargs):
+    loaders = [a for a in (*args, *kwargs.values()) if _forks_workers(a)]
+    for loader in loaders:
+        workers = loader.num_workers
+        warnings.warn(
+            f"A DataLoader with num_workers={workers} is passed to launch: each of the "
+            f"{plan.cores} ranks will fork {workers} worker processes from its own forked "
+            f"process ({plan.cores * workers} in all, on {os.cpu_count()} CPUs). Forking a "
+            "process whose other threads run XLA can deadlock, and the workers compete "
+            "with the ranks for the CPU. For data already in memory use num_workers=0; "
+            "otherwise keep ranks x workers within the host's CPUs.",
+            TpunbWarning,
+            stacklevel=3,
+        )
+
+
+def _forks_workers(obj):
+    data = sys.modules.get("torch.utils.data")
+    if data is None or not isinstance(obj, data.DataLoader) or obj.num_workers == 0:
+        return False
+    context = obj.multiprocessing_context
+    method = context if isinstance(context, str) or context is None else context.get_start_method()
+    return method in (None, "fork")
 
 
 def _check_callable(fn, args, kwargs):
@@ -167,7 +228,7 @@ def _rank_main(key, rank):
     """Runs in every rank (a thread of a forked process): the user's function, then its
     result or its error back to the parent."""
     job = _jobs[key]
-    job.channel.send(("started", rank, os.getpid()))
+    job.progress.enter(rank)
     try:
         result = job.fn(rank, *job.args, **job.kwargs)
     except BaseException as error:  # noqa: BLE001 - everything goes back to the notebook
@@ -234,13 +295,16 @@ class _Supervisor:
     """Starts the ranks in a background thread and watches them from the calling thread,
     which stays free to stop everything on the first failure or on an interrupt."""
 
-    def __init__(self, plan, key):
+    def __init__(self, plan, key, hang_timeout, stacks):
         self.plan = plan
         self.key = key
+        self.hang_timeout = hang_timeout
+        self.stacks = stacks
         self.channel = _jobs[key].channel
+        self.progress = _jobs[key].progress
+        self.hang = None
         self.results = {}
         self.failures = {}  # rank -> (description, remote traceback or None)
-        self.rank_pids = {}
         self.processes = {}  # pid -> multiprocessing.Process, to read exit codes
         self.stopping = False
         self.spawn_ended = False
@@ -266,22 +330,35 @@ class _Supervisor:
             self._track_children()
             self.channel.finish()
             self._read_inbox()
-        return self._outcome()
+        try:
+            return self._outcome()
+        finally:
+            # An error's traceback keeps this object alive (IPython keeps the last one):
+            # let go of the processes, and so of their pipes, now that their exit is read.
+            self.processes.clear()
 
     def _spawn(self, spawn):
         try:
             spawn(self.key)
         except BaseException as error:  # noqa: BLE001 - reported by _outcome
-            self.spawn_error = error
+            self.spawn_error = f"{type(error).__name__}: {error}"
+            # Its traceback holds the process pool's frames, and they its pipes, in a
+            # cycle: without this the pipes stay open until the next garbage collection.
+            error.__traceback__ = None
         finally:
             self.channel.inbox.put(("spawn ended", None))  # wakes _watch at once
 
     def _watch(self):
+        start = time.monotonic()
         while not self.spawn_ended:
+            # Look for the launch's processes often at first: one may die early, and its
+            # exit code (the signal) is readable only through the process object.
+            timeout = 0.02 if time.monotonic() - start < 1 else 0.1
             try:
-                self._handle(self.channel.inbox.get(timeout=0.1))
+                self._handle(self.channel.inbox.get(timeout=timeout))
             except queue.Empty:
                 self._track_children()
+                self._check_for_hang()
             if self.failures and not self.stopping:
                 self._stop()
             if self.stopping:
@@ -292,7 +369,11 @@ class _Supervisor:
         _processes.kill_trees(self._pids())
 
     def _pids(self):
-        return set(self.processes) | set(self.rank_pids.values())
+        return set(self.processes) | set(self._rank_pids().values())
+
+    def _rank_pids(self):
+        pids = {rank: self.progress.pid(rank) for rank in range(self.plan.cores)}
+        return {rank: pid for rank, pid in pids.items() if pid}
 
     def _track_children(self):
         for process in multiprocessing.active_children():
@@ -310,16 +391,28 @@ class _Supervisor:
         kind, rank = message[0], message[1]
         if kind == "spawn ended":
             self.spawn_ended = True
-        elif kind == "started":
-            self.rank_pids[rank] = message[2]
-            if message[2] not in self.processes:
-                self._track_children()
         elif kind == "raised":
             self.failures.setdefault(rank, (message[2], message[3]))
         elif kind == "returned":
             self.results[rank] = message[2]
 
+    def _check_for_hang(self):
+        if self.hang_timeout is None or self.stopping:
+            return
+        running = [r for r in range(self.plan.cores) if r not in self.results and r not in self.failures]
+        idle = self.progress.idle_seconds(running) if running else 0
+        if idle < self.hang_timeout:
+            return
+        stacks = _progress.collect_stacks(self.stacks, self.progress, running)
+        steps = {rank: self.progress.step(rank) for rank in running}
+        self.hang = (running, steps, stacks, idle, self.hang_timeout)
+        self._stop()
+
     def _outcome(self):
+        # Errors are built in the raise: one kept in self or in a local would sit in a
+        # cycle with its traceback's frames, holding the processes' pipes until a gc.
+        if self.hang is not None:
+            raise _hang_error(*self.hang)
         if self.failures:
             raise _raised_error(self.failures)
         expected = range(self.plan.cores)
@@ -334,7 +427,7 @@ class _Supervisor:
             code = process.exitcode
             if not code:
                 continue
-            ranks = sorted(r for r, p in self.rank_pids.items() if p == pid)
+            ranks = sorted(r for r, p in self._rank_pids().items() if p == pid)
             who = f"the process of ranks {_span(ranks)}" if ranks else "a launch process"
             if code < 0:
                 signals.append(signal.Signals(-code).name)
@@ -347,7 +440,7 @@ class _Supervisor:
         if deaths:
             reason = "; ".join(deaths)
         elif self.spawn_error is not None:
-            reason = f"{type(self.spawn_error).__name__}: {self.spawn_error}"
+            reason = self.spawn_error
         else:
             reason = "they returned without a result"
         return RankError(
@@ -355,6 +448,37 @@ class _Supervisor:
             ranks=missing,
             signal=signals[0] if signals else None,
         )
+
+
+def _hang_error(running, steps, stacks, idle, hang_timeout):
+    """Groups the running ranks by step and by where they wait."""
+    groups = {}
+    for rank in running:
+        groups.setdefault((steps[rank], _where(stacks.get(rank))), []).append(rank)
+    lines = [
+        f"  {'rank' if len(ranks) == 1 else 'ranks'} {_span(ranks)}: after step {step}, {where}"
+        for (step, where), ranks in sorted(groups.items(), key=lambda item: item[1][0])
+    ]
+    message = (
+        f"No rank finished a step for {idle:.0f} s (hang_timeout={hang_timeout}), so the "
+        "launch was stopped. A step ends at each torch_xla.sync() (MpDeviceLoader calls it "
+        "every batch). Where the ranks were:\n" + "\n".join(lines)
+    )
+    for ranks in groups.values():
+        if ranks[0] in stacks:
+            message += f"\n\nPython stack of rank {ranks[0]} (most recent call first):\n{stacks[ranks[0]]}"
+    return RankError(message, ranks=running, stacks=stacks)
+
+
+def _where(stack):
+    """Where a faulthandler stack waits, in words."""
+    frames = [line.strip() for line in (stack or "").splitlines() if line.strip().startswith("File")]
+    if not frames:
+        return "no Python stack (inside native code, or the process is gone)"
+    innermost = next((f for f in frames if "/threading.py" not in f), frames[0])
+    if "tpunb/_cpu_collectives.py" in innermost:
+        return "waiting in a collective for the other ranks"
+    return f"in {innermost}"
 
 
 def _raised_error(failures):

@@ -1,0 +1,122 @@
+"""How far each rank got, for the hang watchdog: steps (``torch_xla.sync`` calls), the time
+of the last one, and the rank's process and thread, in memory shared with the forked
+ranks; plus their Python stacks on demand (faulthandler), so a hang can be reported by
+rank and step."""
+
+import contextlib
+import faulthandler
+import mmap
+import os
+import re
+import signal
+import tempfile
+import threading
+import time
+
+STACKS_SIGNAL = signal.SIGUSR1
+_STEPS, _TIME, _PID, _THREAD, _SLOTS = range(5)
+_rank = threading.local()  # in a rank's thread: (Progress, rank)
+
+
+class Progress:
+    """Per rank: steps done, the monotonic time of the last one, its pid and thread id.
+    Created before the fork (an anonymous shared mapping: no file descriptor), written
+    by the ranks, read by the parent."""
+
+    def __init__(self, ranks):
+        self.ranks = ranks
+        self._memory = mmap.mmap(-1, 8 * _SLOTS * ranks)
+        self._values = memoryview(self._memory).cast("d")
+        now = time.monotonic()
+        for rank in range(ranks):
+            self._values[_SLOTS * rank + _TIME] = now
+
+    def step(self, rank):
+        return int(self._values[_SLOTS * rank + _STEPS])
+
+    def pid(self, rank):
+        """The rank's process id, or None before the rank started."""
+        return int(self._values[_SLOTS * rank + _PID]) or None
+
+    def thread(self, rank):
+        return int(self._values[_SLOTS * rank + _THREAD])
+
+    def idle_seconds(self, ranks):
+        """Seconds since the most recent progress of any of ``ranks``."""
+        return time.monotonic() - max(self._values[_SLOTS * r + _TIME] for r in ranks)
+
+    def enter(self, rank):
+        """Called first in each rank's thread."""
+        base = _SLOTS * rank
+        # Thread ids are addresses below 2**48: exact in a double.
+        self._values[base + _PID] = os.getpid()
+        self._values[base + _THREAD] = threading.get_ident()
+        self._values[base + _TIME] = time.monotonic()
+        _rank.current = (self, rank)
+
+    def close(self):
+        self._values.release()
+        self._memory.close()
+
+
+def _tick():
+    current = getattr(_rank, "current", None)
+    if current is not None:
+        progress, rank = current
+        progress._values[_SLOTS * rank + _STEPS] += 1
+        progress._values[_SLOTS * rank + _TIME] = time.monotonic()
+
+
+@contextlib.contextmanager
+def watching():
+    """For the duration of a launch, in the parent: ``torch_xla.sync`` counts steps in the
+    ranks that call it, and the stacks signal makes a process dump its threads' Python
+    stacks to the yielded file. The fork hands both to the ranks; the parent's own
+    behaviour is unchanged (no rank runs in it) and restored afterwards."""
+    import torch_xla
+    import torch_xla.torch_xla as torch_xla_module
+
+    sync = torch_xla.sync
+
+    def counting_sync(*args, **kwargs):
+        result = sync(*args, **kwargs)
+        _tick()
+        return result
+
+    with tempfile.TemporaryFile("w+b") as stacks:
+        faulthandler.register(STACKS_SIGNAL, file=stacks, all_threads=True, chain=False)
+        torch_xla.sync = torch_xla_module.sync = counting_sync  # compile() uses the module's
+        try:
+            yield stacks
+        finally:
+            torch_xla.sync = torch_xla_module.sync = sync
+            faulthandler.unregister(STACKS_SIGNAL)
+
+
+def collect_stacks(stacks, progress, ranks, wait=0.3):
+    """Asks the processes of ``ranks``, one at a time, for their threads' Python stacks;
+    returns {rank: stack text, most recent call first}."""
+    by_thread = {(progress.pid(r), progress.thread(r)): r for r in ranks if progress.pid(r)}
+    found = {}
+    for pid in sorted({pid for pid, _ in by_thread}):
+        start = os.fstat(stacks.fileno()).st_size
+        try:
+            os.kill(pid, STACKS_SIGNAL)
+        except ProcessLookupError:
+            continue
+        time.sleep(wait)
+        end = os.fstat(stacks.fileno()).st_size
+        text = os.pread(stacks.fileno(), end - start, start).decode(errors="replace")
+        for thread, body in _threads(text):
+            if (pid, thread) in by_thread:
+                found[by_thread[pid, thread]] = body
+    return found
+
+
+def _threads(text):
+    # faulthandler: 'Thread 0x00007f... (most recent call first):' then '  File ...' lines.
+    parts = re.split(
+        r"^(?:Current thread|Thread) (0x[0-9a-f]+) \(most recent call first\):\n", text, flags=re.M
+    )
+    for ident, body in zip(parts[1::2], parts[2::2]):
+        yield int(ident, 16), body.rstrip("\n")
