@@ -98,3 +98,21 @@ def test_simulation_is_refused_on_a_machine_with_a_tpu(monkeypatch):
     monkeypatch.setattr(hardware, "detect", lambda: hardware.Tpu("v5e", 8))
     with pytest.raises(tpunb.TpunbError, match="has a TPU"):
         tpunb.simulate(cores=8)
+
+
+def test_torch_xla_imported_before_simulate_still_gets_working_collectives():
+    result = run_python(
+        """
+        import torch, torch_xla, torch_xla.core.xla_model as xm  # a notebook's first cell
+        import tpunb
+        tpunb.simulate(cores=8)
+
+        def total(rank):
+            value = xm.all_reduce(xm.REDUCE_SUM, torch.ones(1, device=torch_xla.device()))
+            torch_xla.sync()
+            return value.item()
+
+        print(tpunb.launch(total))
+        """
+    )
+    assert result.stdout.strip() == str([8.0] * 8), result.stderr

@@ -41,7 +41,6 @@ class _Job:
 @dataclasses.dataclass(frozen=True)
 class _Plan:
     cores: int  # cores the launch runs on
-    available: int  # cores of the TPU, real or simulated
     simulated: bool
 
 
@@ -160,9 +159,9 @@ def _plan(cores):
         )
     available = tpu.cores if tpu is not None else simulated
     if cores is None or cores == available:
-        return _Plan(cores=available, available=available, simulated=tpu is None)
+        return _Plan(cores=available, simulated=tpu is None)
     if cores == 1 and not isinstance(cores, bool):
-        return _Plan(cores=1, available=available, simulated=tpu is None)
+        return _Plan(cores=1, simulated=tpu is None)
     where = "simulated cores" if tpu is None else f"cores on this {tpu.accelerator_type}"
     hint = (
         f" To simulate {cores} cores, call tpunb.simulate(cores={cores}) first."
@@ -349,16 +348,19 @@ class _Supervisor:
             self.channel.inbox.put(("spawn ended", None))  # wakes _watch at once
 
     def _watch(self):
-        start = time.monotonic()
+        start = next_check = time.monotonic()
         while not self.spawn_ended:
             # Look for the launch's processes often at first: one may die early, and its
             # exit code (the signal) is readable only through the process object.
-            timeout = 0.02 if time.monotonic() - start < 1 else 0.1
+            interval = 0.02 if next_check - start < 1 else 0.1
             try:
-                self._handle(self.channel.inbox.get(timeout=timeout))
+                self._handle(self.channel.inbox.get(timeout=max(0, next_check - time.monotonic())))
             except queue.Empty:
+                pass
+            if time.monotonic() >= next_check:  # on the clock, however busy the inbox
                 self._track_children()
                 self._check_for_hang()
+                next_check = time.monotonic() + interval
             if self.failures and not self.stopping:
                 self._stop()
             if self.stopping:
