@@ -19,6 +19,7 @@ CELLS = [
     "    return rank\n"
     "tpunb.launch(broken)",
     "print(tpunb.launch(lambda rank: rank * rank))",
+    "tpunb.launch(train, 1, start_method='spawn')",
 ]
 
 
@@ -42,3 +43,6 @@ def test_launch_from_a_jupyter_kernel(tmp_path):
     assert "raise ValueError('rank 3 is broken')" in error.evalue
     # The kernel survives the failure and launches again.
     assert "[0, 1, 4, 9, 16, 25, 36, 49]" in _output_text(cells[4])
+    (refusal,) = [o for o in cells[5].outputs if o.output_type == "error"]
+    assert refusal.ename == "TpunbError"
+    assert "spawned processes cannot find the functions defined in it" in refusal.evalue
