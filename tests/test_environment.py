@@ -1,3 +1,5 @@
+import importlib.metadata
+
 import pytest
 
 import tpunb
@@ -73,7 +75,8 @@ def test_report_without_simulation_says_how_to_simulate():
         print(any("tpunb.simulate(cores=8)" in w for w in report.warnings))
         """
     )
-    assert result.stdout.split("\n")[:2] == ["None 0 2.9.0 2.9.0 script", "True"], result.stderr
+    versions = f"{importlib.metadata.version('torch')} {importlib.metadata.version('torch_xla')}"
+    assert result.stdout.split("\n")[:2] == [f"None 0 {versions} script", "True"], result.stderr
 
 
 def test_report_of_simulated_cores_as_text_and_html(cores8):

@@ -10,7 +10,7 @@ import torch
 
 import tpunb
 
-from conftest import run_python
+from conftest import launch_leftovers, run_python
 
 
 def _identity(rank, tag, *, scale=1):
@@ -210,8 +210,10 @@ def test_kaggle_presets_are_removed_for_the_launch_and_restored(cores8, monkeypa
 def test_interrupting_the_kernel_stops_every_rank_and_the_next_launch_works():
     result = run_python(
         """
-        import os, signal, threading, time
-        import psutil, tpunb
+        import os, signal, sys, threading, time
+        import tpunb
+        sys.path.insert(0, {tests!r})
+        from conftest import launch_leftovers
 
         tpunb.simulate(cores=8)
 
@@ -225,9 +227,9 @@ def test_interrupting_the_kernel_stops_every_rank_and_the_next_launch_works():
             tpunb.launch(forever)
         except KeyboardInterrupt:
             stopped = time.monotonic() - start - 3.0
-            print("interrupted", stopped < 5, psutil.Process().children(recursive=True))
+            print("interrupted", stopped < 5, launch_leftovers())
         print(tpunb.launch(lambda rank: rank))
-        """
+        """.format(tests=os.path.dirname(__file__))
     )
     assert result.stdout.splitlines() == ["interrupted True []", str(list(range(8)))], result.stderr
 
@@ -308,7 +310,7 @@ def test_twenty_launches_leave_no_process_no_descriptor_and_little_memory(cores8
                 tpunb.launch(_fails_on_rank_3)
         else:
             assert tpunb.launch(lambda rank: torch.ones(1000) * rank)[7][0] == 7
-    assert psutil.Process().children(recursive=True) == []
+    assert launch_leftovers() == []
     assert _open_descriptors() == descriptors
     growth = psutil.Process().memory_info().rss - memory
     print(f"20 launches: descriptors {descriptors} -> {_open_descriptors()}, rss +{growth / 2**20:.1f} MiB")
