@@ -1,7 +1,11 @@
-"""The launch's child processes: finding them, their descendants, and stopping them (Linux /proc)."""
+"""The launch's child processes: recording them, finding their descendants (Linux /proc),
+and stopping them."""
 
+import contextlib
+import multiprocessing
 import os
 import signal
+import threading
 
 
 def descendants(pid):
@@ -38,3 +42,32 @@ def _parent_pid(pid):
         return None
     # The command name may contain spaces and parentheses: split after the last ')'.
     return int(stat.rpartition(")")[2].split()[1])
+
+
+@contextlib.contextmanager
+def recording_children(starter):
+    """Yields a list that receives every ``multiprocessing.Process`` the thread ``starter``
+    starts while inside, so their exit codes (the signal that killed one) stay readable.
+
+    ``xmp.spawn`` starts its processes through a ProcessPoolExecutor, which neither
+    exposes them nor reports how they died, and reaps them itself. The only hook is the
+    set in which multiprocessing registers each started process; it is swapped for a
+    recording one here and put back, with its members, on the way out.
+    """
+    registry = multiprocessing.process
+    original = registry._children
+    started = []
+
+    class Recording(set):
+        def add(self, process):
+            if threading.current_thread() is starter:
+                started.append(process)
+            super().add(process)
+
+    registry._children = Recording(original)
+    try:
+        yield started
+    finally:
+        current, registry._children = registry._children, original
+        original.clear()
+        original.update(current)

@@ -14,13 +14,13 @@ import threading
 import time
 
 STACKS_SIGNAL = signal.SIGUSR1
-_STEPS, _TIME, _PID, _THREAD, _SLOTS = range(5)
+_STEPS, _TIME, _PID, _THREAD, _DONE, _SLOTS = range(6)
 _rank = threading.local()  # in a rank's thread: (Progress, rank)
 
 
 class Progress:
-    """Per rank: steps done, the monotonic time of the last one, its pid and thread id.
-    Created before the fork (an anonymous shared mapping: no file descriptor), written
+    """Per rank: steps done, the monotonic time of the last one, its pid and thread id,
+    and whether it finished. Created before the fork (an anonymous shared mapping: no file descriptor), written
     by the ranks, read by the parent."""
 
     def __init__(self, ranks):
@@ -41,6 +41,9 @@ class Progress:
     def thread(self, rank):
         return int(self._values[_SLOTS * rank + _THREAD])
 
+    def finished(self, rank):
+        return bool(self._values[_SLOTS * rank + _DONE])
+
     def idle_seconds(self, ranks):
         """Seconds since the most recent progress of any of ``ranks``."""
         return time.monotonic() - max(self._values[_SLOTS * r + _TIME] for r in ranks)
@@ -53,6 +56,11 @@ class Progress:
         self._values[base + _THREAD] = threading.get_ident()
         self._values[base + _TIME] = time.monotonic()
         _rank.current = (self, rank)
+
+    def finish(self, rank):
+        """Called last in each rank's thread, whether it returned or raised."""
+        self._values[_SLOTS * rank + _DONE] = 1
+        _rank.current = None
 
     def close(self):
         self._values.release()

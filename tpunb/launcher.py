@@ -27,6 +27,10 @@ from tpunb.errors import RankError, TpunbError, TpunbWarning
 # defined in the notebook, closures and lambdas all work.
 _jobs = {}
 _job_keys = itertools.count()
+# In a rank's process: the results of its finished ranks, sent together once all of the
+# process's ranks are done (one message, not one a rank, while the others still run).
+_finished = []
+_finished_lock = threading.Lock()
 
 
 @dataclasses.dataclass
@@ -34,6 +38,7 @@ class _Job:
     fn: object
     args: tuple
     kwargs: dict
+    cores: int
     channel: _channel.Channel
     progress: _progress.Progress
 
@@ -60,9 +65,12 @@ def launch(fn, *args, cores=None, hang_timeout=600, start_method="fork", **kwarg
     plan = _plan(cores)
     _warn_about_worker_processes(plan, args, kwargs)
     key = next(_job_keys)
-    _jobs[key] = _Job(fn, args, kwargs, _channel.Channel(), _progress.Progress(plan.cores))
+    _jobs[key] = _Job(
+        fn, args, kwargs, plan.cores, _channel.Channel(), _progress.Progress(plan.cores)
+    )
     try:
-        with _without_spawn_breaking_variables(), _progress.watching() as stacks:
+        watching = _progress.watching() if hang_timeout else contextlib.nullcontext()
+        with _without_spawn_breaking_variables(), watching as stacks:
             return _Supervisor(plan, key, hang_timeout, stacks).run()
     finally:
         _jobs.pop(key).progress.close()
@@ -229,23 +237,37 @@ def _rank_main(key, rank):
     job = _jobs[key]
     job.progress.enter(rank)
     try:
-        result = job.fn(rank, *job.args, **job.kwargs)
-    except BaseException as error:  # noqa: BLE001 - everything goes back to the notebook
-        # The traceback starts in the user's function, not in this wrapper.
-        remote = traceback.format_exception(type(error), error, error.__traceback__.tb_next)
-        job.channel.send(("raised", rank, _describe(error), "".join(remote)))
-        return
-    try:
-        payload = _channel.dumps(result)
-    except Exception as error:  # noqa: BLE001
-        description = (
-            f"returned a {type(result).__module__}.{type(result).__qualname__} that cannot be "
-            f"sent back to the notebook ({type(error).__name__}: {error}). Return plain data: "
-            "numbers, strings, lists, dicts, numpy arrays or tensors (moved to the CPU for you)"
-        )
-        job.channel.send(("raised", rank, description, None))
-        return
-    job.channel.send(("returned", rank, payload))
+        try:
+            result = job.fn(rank, *job.args, **job.kwargs)
+        except BaseException as error:  # noqa: BLE001 - everything goes back to the notebook
+            # The traceback starts in the user's function, not in this wrapper.
+            remote = traceback.format_exception(type(error), error, error.__traceback__.tb_next)
+            job.channel.send(("raised", rank, _describe(error), "".join(remote)))
+            return
+        try:
+            payload = _channel.dumps(result)
+        except Exception as error:  # noqa: BLE001
+            description = (
+                f"returned a {type(result).__module__}.{type(result).__qualname__} that cannot be "
+                f"sent back to the notebook ({type(error).__name__}: {error}). Return plain data: "
+                "numbers, strings, lists, dicts, numpy arrays or tensors (moved to the CPU for you)"
+            )
+            job.channel.send(("raised", rank, description, None))
+            return
+        with _finished_lock:
+            _finished.append((rank, payload))
+            if len(_finished) == _ranks_in_this_process(job):
+                job.channel.send(("returned", list(_finished)))
+    finally:
+        job.progress.finish(rank)
+
+
+def _ranks_in_this_process(job):
+    if job.cores == 1:
+        return 1
+    import torch_xla.core.xla_model as xm
+
+    return len(xm.get_xla_supported_devices())  # one rank a device, as xmp.spawn runs them
 
 
 def _describe(error):
@@ -304,31 +326,29 @@ class _Supervisor:
         self.hang = None
         self.results = {}
         self.failures = {}  # rank -> (description, remote traceback or None)
-        self.processes = {}  # pid -> multiprocessing.Process, to read exit codes
+        self.processes = []  # the launch's multiprocessing.Process objects: exit codes
         self.stopping = False
         self.spawn_ended = False
         self.spawn_error = None
-        # Children the notebook had before this launch are never ours to stop.
-        self.foreign = {process.pid for process in multiprocessing.active_children()}
 
     def run(self):
         spawn = _spawn_one_core if self.plan.cores == 1 else _spawn_all_cores
         spawner = threading.Thread(target=self._spawn, args=(spawn,), name="tpunb-spawn", daemon=True)
-        self.channel.start()
-        spawner.start()
-        try:
-            self._watch()
-        except KeyboardInterrupt:
-            self._stop()
-            self._watch()
-            raise
-        finally:
-            if not self.spawn_ended:  # only after a second interrupt
+        with _processes.recording_children(spawner) as self.processes:
+            self.channel.start()
+            spawner.start()
+            try:
+                self._watch()
+            except KeyboardInterrupt:
                 self._stop()
-            spawner.join(5)
-            self._track_children()
-            self.channel.finish()
-            self._read_inbox()
+                self._watch()
+                raise
+            finally:
+                if not self.spawn_ended:  # only after a second interrupt
+                    self._stop()
+                spawner.join(5)
+                self.channel.finish()
+                self._read_inbox()
         try:
             return self._outcome()
         finally:
@@ -345,22 +365,18 @@ class _Supervisor:
             # cycle: without this the pipes stay open until the next garbage collection.
             error.__traceback__ = None
         finally:
-            self.channel.inbox.put(("spawn ended", None))  # wakes _watch at once
+            self.channel.inbox.put(("spawn ended",))  # wakes _watch at once
 
     def _watch(self):
-        start = next_check = time.monotonic()
+        next_check = time.monotonic()
         while not self.spawn_ended:
-            # Look for the launch's processes often at first: one may die early, and its
-            # exit code (the signal) is readable only through the process object.
-            interval = 0.02 if next_check - start < 1 else 0.1
             try:
                 self._handle(self.channel.inbox.get(timeout=max(0, next_check - time.monotonic())))
             except queue.Empty:
                 pass
             if time.monotonic() >= next_check:  # on the clock, however busy the inbox
-                self._track_children()
                 self._check_for_hang()
-                next_check = time.monotonic() + interval
+                next_check = time.monotonic() + 0.1
             if self.failures and not self.stopping:
                 self._stop()
             if self.stopping:
@@ -371,16 +387,12 @@ class _Supervisor:
         _processes.kill_trees(self._pids())
 
     def _pids(self):
-        return set(self.processes) | set(self._rank_pids().values())
+        # Only processes not yet reaped: a reaped one's pid may already name another.
+        return [process.pid for process in self.processes if process.exitcode is None]
 
     def _rank_pids(self):
         pids = {rank: self.progress.pid(rank) for rank in range(self.plan.cores)}
         return {rank: pid for rank, pid in pids.items() if pid}
-
-    def _track_children(self):
-        for process in multiprocessing.active_children():
-            if process.pid not in self.foreign:
-                self.processes.setdefault(process.pid, process)
 
     def _read_inbox(self):
         while True:
@@ -390,18 +402,18 @@ class _Supervisor:
                 return
 
     def _handle(self, message):
-        kind, rank = message[0], message[1]
+        kind = message[0]
         if kind == "spawn ended":
             self.spawn_ended = True
         elif kind == "raised":
-            self.failures.setdefault(rank, (message[2], message[3]))
+            self.failures.setdefault(message[1], (message[2], message[3]))
         elif kind == "returned":
-            self.results[rank] = message[2]
+            self.results.update(message[1])
 
     def _check_for_hang(self):
         if self.hang_timeout is None or self.stopping:
             return
-        running = [r for r in range(self.plan.cores) if r not in self.results and r not in self.failures]
+        running = [r for r in range(self.plan.cores) if not self.progress.finished(r)]
         idle = self.progress.idle_seconds(running) if running else 0
         if idle < self.hang_timeout:
             return
@@ -425,8 +437,8 @@ class _Supervisor:
 
     def _lost_error(self, missing):
         deaths, signals = [], []
-        for pid, process in sorted(self.processes.items()):
-            code = process.exitcode
+        for process in self.processes:
+            pid, code = process.pid, process.exitcode
             if not code:
                 continue
             ranks = sorted(r for r, p in self._rank_pids().items() if p == pid)
