@@ -14,6 +14,16 @@ __version__ = "0.1.0"
 from tpunb.environment import Environment, env
 from tpunb.errors import RankError, TpunbError, TpunbWarning
 from tpunb.launcher import launch
+from tpunb.sampling import shard
 from tpunb.simulation import simulate
 
-__all__ = ["Environment", "RankError", "TpunbError", "TpunbWarning", "env", "launch", "simulate"]
+__all__ = [
+    "Environment",
+    "RankError",
+    "TpunbError",
+    "TpunbWarning",
+    "env",
+    "launch",
+    "shard",
+    "simulate",
+]
