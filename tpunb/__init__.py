@@ -11,6 +11,12 @@ Importing tpunb imports neither torch_xla nor any plotting library and leaves
 
 __version__ = "0.1.0"
 
+from tpunb.batches import (
+    batch_report,
+    global_batch_size,
+    per_core_batch_size,
+    scale_learning_rate,
+)
 from tpunb.environment import Environment, env
 from tpunb.errors import RankError, TpunbError, TpunbWarning
 from tpunb.launcher import launch
@@ -22,8 +28,12 @@ __all__ = [
     "RankError",
     "TpunbError",
     "TpunbWarning",
+    "batch_report",
     "env",
+    "global_batch_size",
     "launch",
+    "per_core_batch_size",
+    "scale_learning_rate",
     "shard",
     "simulate",
 ]

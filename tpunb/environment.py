@@ -2,11 +2,10 @@
 would go wrong, with the fix. Never starts the XLA runtime and never uses the network."""
 
 import dataclasses
-import html
 import importlib.metadata
 import sys
 
-from tpunb import hardware, platform, simulation
+from tpunb import _rendering, hardware, platform, simulation
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,30 +69,13 @@ class Environment:
         ]
 
     def __str__(self):
-        width = max(len(name) for name, _ in self._rows())
-        lines = ["tpunb environment"]
-        lines += [f"  {name:<{width}}  {value}" for name, value in self._rows()]
-        lines += [f"  ! {warning}" for warning in self.warnings]
-        return "\n".join(lines)
+        return _rendering.text("tpunb environment", self._rows(), self.warnings)
 
     def __repr__(self):
         return str(self)
 
     def _repr_html_(self):
-        rows = "".join(
-            f"<tr><th style='text-align:left'>{html.escape(name)}</th>"
-            f"<td style='text-align:left'>{html.escape(value)}</td></tr>"
-            for name, value in self._rows()
-        )
-        warnings = "".join(
-            f"<li style='color:#b35900'>{html.escape(warning)}</li>" for warning in self.warnings
-        )
-        return (
-            "<div><strong>tpunb environment</strong>"
-            f"<table>{rows}</table>"
-            + (f"<ul>{warnings}</ul>" if warnings else "")
-            + "</div>"
-        )
+        return _rendering.html_table("tpunb environment", self._rows(), self.warnings)
 
 
 def env():

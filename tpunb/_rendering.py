@@ -1,0 +1,26 @@
+"""The look of tpunb's reports: a title, name/value rows and warnings, as text for a
+console and as an HTML table for a notebook."""
+
+import html
+
+
+def text(title, rows, warnings):
+    width = max(len(name) for name, _ in rows)
+    lines = [title]
+    lines += [f"  {name:<{width}}  {value}" for name, value in rows]
+    lines += [f"  ! {warning}" for warning in warnings]
+    return "\n".join(lines)
+
+
+def html_table(title, rows, warnings):
+    cells = "".join(
+        f"<tr><th style='text-align:left'>{html.escape(name)}</th>"
+        f"<td style='text-align:left'>{html.escape(value)}</td></tr>"
+        for name, value in rows
+    )
+    items = "".join(f"<li style='color:#b35900'>{html.escape(w)}</li>" for w in warnings)
+    return (
+        f"<div><strong>{html.escape(title)}</strong><table>{cells}</table>"
+        + (f"<ul>{items}</ul>" if items else "")
+        + "</div>"
+    )

@@ -1,0 +1,176 @@
+"""Batch sizes across cores. In torch_xla a DataLoader's batch size is per core: the
+global batch, the one the optimizer effectively sees, is that times the core count. This
+module converts between the two, scales the learning rate with them, and reports what
+an epoch will look like, with the warnings that cost TPU time."""
+
+import dataclasses
+import math
+import weakref
+
+from tpunb import _rendering
+from tpunb.errors import TpunbError
+
+# TPU matrix units work on 8 x 128 tiles: a per-core batch that is a multiple of 8 fills them.
+TPU_BATCH_MULTIPLE = 8
+
+# The global batch last reported for each loader, to notice when the core count changed it.
+_reported = weakref.WeakKeyDictionary()
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchReport:
+    """What one epoch of a DataLoader looks like when split across ``cores`` cores."""
+
+    samples: int
+    cores: int
+    per_core_batch: int
+    drop_last: bool
+    previous: object = None  # (cores, global batch) reported before for the same loader
+
+    @property
+    def global_batch(self):
+        return self.per_core_batch * self.cores
+
+    @property
+    def samples_per_core(self):
+        """Samples each core reads an epoch: DistributedSampler pads to a multiple of cores."""
+        return math.ceil(self.samples / self.cores)
+
+    @property
+    def padded(self):
+        """Samples the sampler repeats so that every core reads as many."""
+        return self.samples_per_core * self.cores - self.samples
+
+    @property
+    def last_batch(self):
+        """Size of each core's last batch of an epoch (0: it is full)."""
+        return self.samples_per_core % self.per_core_batch
+
+    @property
+    def steps_per_epoch(self):
+        full = self.samples_per_core // self.per_core_batch
+        return full + (1 if self.last_batch and not self.drop_last else 0)
+
+    @property
+    def dropped(self):
+        """Samples ``drop_last`` leaves out each epoch, all cores together."""
+        return self.last_batch * self.cores if self.drop_last else 0
+
+    @property
+    def warnings(self):
+        return tuple(self._warnings())
+
+    def _warnings(self):
+        batch = self.per_core_batch
+        if batch % TPU_BATCH_MULTIPLE:
+            better = max(TPU_BATCH_MULTIPLE, round(batch / TPU_BATCH_MULTIPLE) * TPU_BATCH_MULTIPLE)
+            yield (
+                f"The per-core batch {batch} is not a multiple of {TPU_BATCH_MULTIPLE}: the TPU's "
+                f"matrix units work on tiles of {TPU_BATCH_MULTIPLE} x 128 and the rest is "
+                f"padding. Try batch_size={better}."
+            )
+        if self.last_batch and not self.drop_last:
+            yield (
+                f"The last batch of every epoch has {self.last_batch} samples, not {batch}: a "
+                "shape XLA has not seen, so it compiles another graph for it. Pass "
+                f"drop_last=True to the DataLoader (leaves out {self.last_batch * self.cores} "
+                "samples an epoch) or pick a batch size that divides "
+                f"{self.samples_per_core}, the samples per core."
+            )
+        if self.previous and self.previous[0] != self.cores:
+            cores, global_batch = self.previous
+            yield (
+                f"The global batch changed from {global_batch} ({_count(cores)}) to "
+                f"{self.global_batch} ({_count(self.cores)}) with the same per-core batch. Keep "
+                f"the learning rate tuned for {global_batch} by scaling it: "
+                f"tpunb.scale_learning_rate(lr, from_batch={global_batch}, "
+                f"to_batch={self.global_batch}); or keep the global batch with "
+                f"tpunb.per_core_batch_size({global_batch}, cores={self.cores})."
+            )
+
+    def _rows(self):
+        steps = f"{self.steps_per_epoch}"
+        if self.last_batch:
+            steps += (
+                f" (last batch dropped: {self.last_batch} samples a core)"
+                if self.drop_last
+                else f" (the last one of {self.last_batch} samples)"
+            )
+        return [
+            ("samples", str(self.samples)),
+            ("cores", str(self.cores)),
+            ("batch per core", str(self.per_core_batch)),
+            ("global batch", f"{self.global_batch} ({self.per_core_batch} x {_count(self.cores)})"),
+            ("samples per core", f"{self.samples_per_core} an epoch"),
+            ("steps per epoch", steps),
+            ("padded by the sampler", f"{self.padded} samples repeated"),
+            ("dropped by drop_last", f"{self.dropped} samples an epoch"),
+        ]
+
+    def __str__(self):
+        return _rendering.text("tpunb batch report", self._rows(), self.warnings)
+
+    def __repr__(self):
+        return str(self)
+
+    def _repr_html_(self):
+        return _rendering.html_table("tpunb batch report", self._rows(), self.warnings)
+
+
+def batch_report(loader, cores=None):
+    """How ``loader`` (batch size per core) splits across ``cores`` (default: this
+    machine's TPU cores, or the simulated ones): global batch, steps, padding, warnings."""
+    if loader.batch_size is None:
+        raise TpunbError("batch_report needs a DataLoader built with batch_size=...")
+    cores = _cores(cores)
+    report = BatchReport(
+        samples=len(loader.dataset),
+        cores=cores,
+        per_core_batch=loader.batch_size,
+        drop_last=loader.drop_last,
+        previous=_reported.get(loader),
+    )
+    _reported[loader] = (cores, report.global_batch)
+    return report
+
+
+def global_batch_size(per_core, cores=None):
+    """The batch the optimizer sees: ``per_core`` samples on each of ``cores`` cores."""
+    return per_core * _cores(cores)
+
+
+def per_core_batch_size(global_batch, cores=None):
+    """The DataLoader batch size that gives ``global_batch`` on ``cores`` cores."""
+    cores = _cores(cores)
+    if global_batch % cores:
+        raise TpunbError(
+            f"A global batch of {global_batch} does not split evenly over {cores} cores; "
+            f"nearest that does: {max(cores, round(global_batch / cores) * cores)}."
+        )
+    return global_batch // cores
+
+
+def scale_learning_rate(lr, from_batch, to_batch):
+    """The linear scaling rule (Goyal et al., 2017, "Accurate, Large Minibatch SGD"): when the
+    global batch grows k times, so does the learning rate. A starting point, best with a
+    warm-up; adaptive optimizers (Adam) often want less than linear."""
+    return lr * to_batch / from_batch
+
+
+def _count(cores):
+    return f"{cores} core{'s' if cores != 1 else ''}"
+
+
+def _cores(cores):
+    if cores is not None:
+        if isinstance(cores, bool) or not isinstance(cores, int) or cores < 1:
+            raise TpunbError(f"cores={cores!r}: give a positive number of cores, e.g. 8.")
+        return cores
+    from tpunb.environment import env
+
+    found = env().cores
+    if not found:
+        raise TpunbError(
+            "No TPU cores here to count: pass cores=..., or call tpunb.simulate(cores=8) first."
+        )
+    return found
