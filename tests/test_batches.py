@@ -84,3 +84,28 @@ def test_without_cores_to_count_the_error_says_what_to_pass():
         """
     )
     assert "pass cores=..., or call tpunb.simulate(cores=8) first" in result.stdout
+
+
+def _mse(model, batch):
+    inputs, targets = batch
+    return torch.nn.functional.mse_loss(model(inputs), targets)
+
+
+def test_a_sweep_times_each_batch_size_on_every_core(cores8):
+    generator = torch.Generator().manual_seed(0)
+    dataset = TensorDataset(torch.randn(2048, 16, generator=generator), torch.randn(2048, 1, generator=generator))
+    model = torch.nn.Linear(16, 1)
+    sweep = tpunb.sweep_batch_sizes(model, dataset, [32, 8], _mse, steps=3, warmup=1)
+    assert [(r.per_core_batch, r.global_batch, r.cores) for r in sweep.rows] == [(8, 64, 8), (32, 256, 8)]
+    for row in sweep.rows:
+        assert 0 < row.seconds_per_step < 5
+        assert row.samples_per_second == pytest.approx(row.samples_per_second_per_core * 8)
+        assert row.peak_memory is None  # the CPU device does not report memory
+    text = str(sweep)
+    assert "sweep on 8 cores" in text and "batch 8 a core" in text and "not reported" in text
+
+
+def test_a_sweep_on_too_little_data_says_so(cores8):
+    dataset = TensorDataset(torch.randn(40, 16), torch.randn(40, 1))
+    with pytest.raises(tpunb.RankError, match="fewer samples than one batch on every core"):
+        tpunb.sweep_batch_sizes(torch.nn.Linear(16, 1), dataset, [8], _mse, steps=1, warmup=1)

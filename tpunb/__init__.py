@@ -22,6 +22,7 @@ from tpunb.errors import RankError, TpunbError, TpunbWarning
 from tpunb.launcher import launch
 from tpunb.sampling import shard
 from tpunb.simulation import simulate
+from tpunb.sweep import sweep_batch_sizes
 
 __all__ = [
     "Environment",
@@ -36,4 +37,5 @@ __all__ = [
     "scale_learning_rate",
     "shard",
     "simulate",
+    "sweep_batch_sizes",
 ]

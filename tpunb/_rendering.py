@@ -24,3 +24,8 @@ def html_table(title, rows, warnings):
         + (f"<ul>{items}</ul>" if items else "")
         + "</div>"
     )
+
+
+def count(number, noun):
+    """"1 core", "8 cores"."""
+    return f"{number} {noun}{'s' if number != 1 else ''}"

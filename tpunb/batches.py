@@ -71,7 +71,7 @@ class BatchReport:
             )
         if self.last_batch and not self.drop_last:
             yield (
-                f"The last batch of every epoch has {self.last_batch} samples, not {batch}: a "
+                f"The last batch of every epoch has {_rendering.count(self.last_batch, 'sample')}, not {batch}: a "
                 "shape XLA has not seen, so it compiles another graph for it. Pass "
                 f"drop_last=True to the DataLoader (leaves out {self.last_batch * self.cores} "
                 "samples an epoch) or pick a batch size that divides "
@@ -80,8 +80,8 @@ class BatchReport:
         if self.previous and self.previous[0] != self.cores:
             cores, global_batch = self.previous
             yield (
-                f"The global batch changed from {global_batch} ({_count(cores)}) to "
-                f"{self.global_batch} ({_count(self.cores)}) with the same per-core batch. Keep "
+                f"The global batch changed from {global_batch} ({_rendering.count(cores, 'core')}) to "
+                f"{self.global_batch} ({_rendering.count(self.cores, 'core')}) with the same per-core batch. Keep "
                 f"the learning rate tuned for {global_batch} by scaling it: "
                 f"tpunb.scale_learning_rate(lr, from_batch={global_batch}, "
                 f"to_batch={self.global_batch}); or keep the global batch with "
@@ -92,19 +92,19 @@ class BatchReport:
         steps = f"{self.steps_per_epoch}"
         if self.last_batch:
             steps += (
-                f" (last batch dropped: {self.last_batch} samples a core)"
+                f" (last batch dropped: {_rendering.count(self.last_batch, 'sample')} a core)"
                 if self.drop_last
-                else f" (the last one of {self.last_batch} samples)"
+                else f" (the last one of {_rendering.count(self.last_batch, 'sample')})"
             )
         return [
             ("samples", str(self.samples)),
             ("cores", str(self.cores)),
             ("batch per core", str(self.per_core_batch)),
-            ("global batch", f"{self.global_batch} ({self.per_core_batch} x {_count(self.cores)})"),
+            ("global batch", f"{self.global_batch} ({self.per_core_batch} x {_rendering.count(self.cores, 'core')})"),
             ("samples per core", f"{self.samples_per_core} an epoch"),
             ("steps per epoch", steps),
-            ("padded by the sampler", f"{self.padded} samples repeated"),
-            ("dropped by drop_last", f"{self.dropped} samples an epoch"),
+            ("padded by the sampler", f"{_rendering.count(self.padded, 'sample')} repeated"),
+            ("dropped by drop_last", f"{_rendering.count(self.dropped, 'sample')} an epoch"),
         ]
 
     def __str__(self):
@@ -155,10 +155,6 @@ def scale_learning_rate(lr, from_batch, to_batch):
     global batch grows k times, so does the learning rate. A starting point, best with a
     warm-up; adaptive optimizers (Adam) often want less than linear."""
     return lr * to_batch / from_batch
-
-
-def _count(cores):
-    return f"{cores} core{'s' if cores != 1 else ''}"
 
 
 def _cores(cores):

@@ -1,0 +1,131 @@
+"""``sweep_batch_sizes``: a few training steps per candidate per-core batch size on every
+core, with the throughput each gives (and, on a TPU, the device memory it takes)."""
+
+import dataclasses
+import time
+
+from tpunb import _rendering
+
+
+@dataclasses.dataclass(frozen=True)
+class SweepRow:
+    """One candidate batch size: timed after its graphs were compiled."""
+
+    per_core_batch: int
+    cores: int
+    seconds_per_step: float
+    peak_memory: object  # bytes on one core, or None where the device does not say (CPU)
+
+    @property
+    def global_batch(self):
+        return self.per_core_batch * self.cores
+
+    @property
+    def samples_per_second_per_core(self):
+        return self.per_core_batch / self.seconds_per_step
+
+    @property
+    def samples_per_second(self):
+        return self.global_batch / self.seconds_per_step
+
+
+@dataclasses.dataclass(frozen=True)
+class Sweep:
+    """The rows of a batch-size sweep, smallest batch first; a table in a notebook."""
+
+    rows: tuple
+
+    def _table(self):
+        rows = [
+            (
+                f"batch {row.per_core_batch} a core",
+                f"global {row.global_batch}: {row.seconds_per_step * 1000:.1f} ms a step, "
+                f"{row.samples_per_second_per_core:,.0f} samples/s a core, "
+                f"{row.samples_per_second:,.0f} in total"
+                + (f", {row.peak_memory / 2**20:,.0f} MiB a core" if row.peak_memory else ""),
+            )
+            for row in self.rows
+        ]
+        notes = [] if any(row.peak_memory for row in self.rows) else [
+            "Device memory is not reported on this device (the CPU has no allocator stats)."
+        ]
+        return f"tpunb batch-size sweep on {_rendering.count(self.rows[0].cores, 'core')}", rows, notes
+
+    def __str__(self):
+        return _rendering.text(*self._table())
+
+    def __repr__(self):
+        return str(self)
+
+    def _repr_html_(self):
+        return _rendering.html_table(*self._table())
+
+
+def sweep_batch_sizes(model, dataset, batch_sizes, loss_fn, *, optimizer=None, steps=5, warmup=2):
+    """Train ``model`` on ``dataset`` for ``warmup`` + ``steps`` steps at each per-core batch
+    size, on every core, and time the last ``steps``. ``loss_fn(model, batch)`` returns the
+    loss of a batch on the device; ``optimizer(params)`` builds the optimizer (SGD by
+    default). Warm-up steps are not timed: they include compiling each batch size's graphs.
+    """
+    from tpunb.launcher import launch
+
+    sizes = sorted(batch_sizes)
+    timings = launch(_sweep_on_every_core, model, dataset, sizes, loss_fn, optimizer, steps, warmup)
+    cores = len(timings)
+    rows = tuple(
+        SweepRow(size, cores, max(t[i][0] for t in timings), timings[0][i][1])
+        for i, size in enumerate(sizes)
+    )
+    return Sweep(rows)
+
+
+def _sweep_on_every_core(rank, model, dataset, sizes, loss_fn, optimizer, steps, warmup):
+    import copy
+
+    import torch
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+    from torch.utils.data import DataLoader
+
+    from tpunb.sampling import shard
+
+    device = torch_xla.device()
+    timings = []
+    for size in sizes:
+        replica = copy.deepcopy(model).to(device)
+        opt = (optimizer or (lambda params: torch.optim.SGD(params, lr=0.01)))(replica.parameters())
+        batches = _forever(shard(DataLoader(dataset, batch_size=size, shuffle=True, drop_last=True)))
+        for step in range(warmup + steps):
+            if step == warmup:
+                # Dispatch the pending step first: waiting on the devices while this rank's
+                # all-reduce is still undispatched would wait for itself.
+                torch_xla.sync()
+                xm.wait_device_ops()
+                start = time.perf_counter()
+            opt.zero_grad()
+            loss_fn(replica, next(batches)).backward()
+            xm.optimizer_step(opt)
+        torch_xla.sync()
+        xm.wait_device_ops()
+        timings.append(((time.perf_counter() - start) / steps, _peak_memory(device)))
+    return timings
+
+
+def _forever(sharded):
+    while True:
+        empty = True
+        for batch in sharded:
+            empty = False
+            yield batch
+        if empty:
+            raise ValueError("the dataset has fewer samples than one batch on every core")
+
+
+def _peak_memory(device):
+    import torch_xla.core.xla_model as xm
+
+    try:
+        info = xm.get_memory_info(device)
+    except RuntimeError:  # UNIMPLEMENTED on the CPU: GetAllocatorStats is not supported
+        return None
+    return info.get("peak_bytes_used") or info.get("bytes_used")
