@@ -19,10 +19,13 @@ SAMPLES, FEATURES, BATCH, EPOCHS = 16384, 64, 32, 2
 
 generator = torch.Generator().manual_seed(0)
 DATASET = TensorDataset(
-    torch.randn(SAMPLES, FEATURES, generator=generator), torch.randint(0, 10, (SAMPLES,), generator=generator)
+    torch.randn(SAMPLES, FEATURES, generator=generator),
+    torch.randint(0, 10, (SAMPLES,), generator=generator),
 )
 torch.manual_seed(0)
-MODEL = torch.nn.Sequential(torch.nn.Linear(FEATURES, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10))
+MODEL = torch.nn.Sequential(
+    torch.nn.Linear(FEATURES, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10)
+)
 
 
 def by_hand(device):
@@ -32,7 +35,9 @@ def by_hand(device):
     sampler = DistributedSampler(
         DATASET, num_replicas=xr.world_size(), rank=xr.global_ordinal(), shuffle=True, seed=0
     )
-    loader = MpDeviceLoader(DataLoader(DATASET, batch_size=BATCH, sampler=sampler, drop_last=True), device)
+    loader = MpDeviceLoader(
+        DataLoader(DATASET, batch_size=BATCH, sampler=sampler, drop_last=True), device
+    )
 
     def epochs():
         for epoch in range(EPOCHS):
@@ -44,8 +49,13 @@ def by_hand(device):
 
 def with_shard(device):
     loader = tpunb.shard(
-        DataLoader(DATASET, batch_size=BATCH, shuffle=True, drop_last=True,
-                   generator=torch.Generator().manual_seed(0))
+        DataLoader(
+            DATASET,
+            batch_size=BATCH,
+            shuffle=True,
+            drop_last=True,
+            generator=torch.Generator().manual_seed(0),
+        )
     )
     return (loader for _ in range(EPOCHS))
 

@@ -9,7 +9,9 @@
 
 Runs alternate between the two sides so drift on the machine hits both alike; each
 figure is the median of the repeats, and the ratio of the best runs is printed too (on
-a busy 2-core machine the best run is the one least disturbed). Run: python benchmarks/launch.py [--repeats N]
+a busy 2-core machine the best run is the one least disturbed).
+
+Run: python benchmarks/launch.py [--repeats N]
 """
 
 import argparse
@@ -26,10 +28,13 @@ SAMPLES, FEATURES, BATCH = 16384, 64, 32
 # Built once before any launch: the fork shares them with every core.
 generator = torch.Generator().manual_seed(0)
 DATASET = TensorDataset(
-    torch.randn(SAMPLES, FEATURES, generator=generator), torch.randint(0, 10, (SAMPLES,), generator=generator)
+    torch.randn(SAMPLES, FEATURES, generator=generator),
+    torch.randint(0, 10, (SAMPLES,), generator=generator),
 )
 torch.manual_seed(0)
-MODEL = torch.nn.Sequential(torch.nn.Linear(FEATURES, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10))
+MODEL = torch.nn.Sequential(
+    torch.nn.Linear(FEATURES, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10)
+)
 
 
 def trivial(rank):
@@ -48,7 +53,9 @@ def epoch(rank):
     device = torch_xla.device()
     model = copy.deepcopy(MODEL).to(device)
     sampler = DistributedSampler(DATASET, num_replicas=xr.world_size(), rank=xr.global_ordinal())
-    loader = MpDeviceLoader(DataLoader(DATASET, batch_size=BATCH, sampler=sampler, drop_last=True), device)
+    loader = MpDeviceLoader(
+        DataLoader(DATASET, batch_size=BATCH, sampler=sampler, drop_last=True), device
+    )
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     for inputs, labels in loader:
         optimizer.zero_grad()

@@ -32,7 +32,8 @@ def launch_leftovers():
     """This process's descendants, less torch's own compile-worker pool (which importing
     torch_xla 2.8 starts in the notebook's process, and which lives as long as it does)."""
     return [
-        p for p in psutil.Process().children(recursive=True)
+        p
+        for p in psutil.Process().children(recursive=True)
         if not any("_inductor/compile_worker" in part for part in p.cmdline())
     ]
 

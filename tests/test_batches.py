@@ -8,7 +8,9 @@ import tpunb
 
 
 def _loader(samples=1000, batch_size=32, drop_last=False):
-    return DataLoader(TensorDataset(torch.arange(samples)), batch_size=batch_size, drop_last=drop_last)
+    return DataLoader(
+        TensorDataset(torch.arange(samples)), batch_size=batch_size, drop_last=drop_last
+    )
 
 
 def test_1000_samples_batch_32_on_8_cores_keeping_the_short_last_batch():
@@ -65,7 +67,9 @@ def test_the_report_shows_as_text_and_as_a_table():
 def test_conversions_between_per_core_and_global_batch_and_the_learning_rate():
     assert tpunb.global_batch_size(32, cores=8) == 256
     assert tpunb.per_core_batch_size(256, cores=8) == 32
-    with pytest.raises(tpunb.TpunbError, match="does not split evenly over 8 cores; nearest that does: 96"):
+    with pytest.raises(
+        tpunb.TpunbError, match="does not split evenly over 8 cores; nearest that does: 96"
+    ):
         tpunb.per_core_batch_size(100, cores=8)
     assert tpunb.scale_learning_rate(0.1, from_batch=32, to_batch=256) == pytest.approx(0.8)
     assert tpunb.global_batch_size(16, cores=tpunb.env().cores or 1) >= 16
@@ -93,10 +97,15 @@ def _mse(model, batch):
 
 def test_a_sweep_times_each_batch_size_on_every_core(cores8):
     generator = torch.Generator().manual_seed(0)
-    dataset = TensorDataset(torch.randn(2048, 16, generator=generator), torch.randn(2048, 1, generator=generator))
+    dataset = TensorDataset(
+        torch.randn(2048, 16, generator=generator), torch.randn(2048, 1, generator=generator)
+    )
     model = torch.nn.Linear(16, 1)
     sweep = tpunb.sweep_batch_sizes(model, dataset, [32, 8], _mse, steps=3, warmup=1)
-    assert [(r.per_core_batch, r.global_batch, r.cores) for r in sweep.rows] == [(8, 64, 8), (32, 256, 8)]
+    assert [(r.per_core_batch, r.global_batch, r.cores) for r in sweep.rows] == [
+        (8, 64, 8),
+        (32, 256, 8),
+    ]
     for row in sweep.rows:
         assert 0 < row.seconds_per_step < 5
         assert row.samples_per_second == pytest.approx(row.samples_per_second_per_core * 8)

@@ -4,11 +4,10 @@ import copy
 
 import pytest
 import torch
+from conftest import in_forked_process
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import tpunb
-
-from conftest import in_forked_process
 
 CORES, SAMPLES, BATCH, EPOCHS = 8, 1024, 16, 2
 OPTIMIZERS = {
@@ -21,7 +20,9 @@ OPTIMIZERS = {
 def _problem():
     generator = torch.Generator().manual_seed(0)
     inputs = torch.randn(SAMPLES, 16, generator=generator)
-    targets = inputs[:, :4].sum(dim=1, keepdim=True) + 0.1 * torch.randn(SAMPLES, 1, generator=generator)
+    targets = inputs[:, :4].sum(dim=1, keepdim=True) + 0.1 * torch.randn(
+        SAMPLES, 1, generator=generator
+    )
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
     return TensorDataset(inputs, targets), model

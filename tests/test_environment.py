@@ -1,12 +1,11 @@
 import importlib.metadata
 
 import pytest
+from conftest import run_python
 
 import tpunb
 from tpunb import hardware, platform
 from tpunb.environment import Environment
-
-from conftest import run_python
 
 
 def _fake_pci(root, *device_ids):
@@ -54,12 +53,20 @@ def test_no_google_device_means_no_tpu(tmp_path):
 
 @pytest.mark.parametrize(
     "variable, expected",
-    [("COLAB_RELEASE_TAG", "colab"), ("KAGGLE_KERNEL_RUN_TYPE", "kaggle"),
-     ("BINDER_LAUNCH_HOST", "binder")],
+    [
+        ("COLAB_RELEASE_TAG", "colab"),
+        ("KAGGLE_KERNEL_RUN_TYPE", "kaggle"),
+        ("BINDER_LAUNCH_HOST", "binder"),
+    ],
 )
 def test_platform_is_read_from_the_environment(monkeypatch, variable, expected):
-    for other in ("COLAB_RELEASE_TAG", "KAGGLE_KERNEL_RUN_TYPE", "KAGGLE_URL_BASE",
-                  "BINDER_LAUNCH_HOST", "BINDER_REPO_URL"):
+    for other in (
+        "COLAB_RELEASE_TAG",
+        "KAGGLE_KERNEL_RUN_TYPE",
+        "KAGGLE_URL_BASE",
+        "BINDER_LAUNCH_HOST",
+        "BINDER_REPO_URL",
+    ):
         monkeypatch.delenv(other, raising=False)
     assert platform.name() == "script"
     monkeypatch.setenv(variable, "1")
@@ -104,7 +111,8 @@ def test_report_never_starts_the_runtime_and_sees_when_it_was_started():
         assert not torch_xla._XLAC._xla_runtime_is_initialized()
         torch_xla.device()
         report = tpunb.env()
-        print(first, report.runtime_started, any("restart the kernel" in w for w in report.warnings))
+        restart = any("restart the kernel" in w for w in report.warnings)
+        print(first, report.runtime_started, restart)
         """
     )
     assert result.returncode == 0, result.stderr

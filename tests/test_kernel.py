@@ -1,23 +1,25 @@
 """launch from a real Jupyter kernel: forking from a kernel is the main use."""
 
 import nbformat
-import pytest
 from nbclient import NotebookClient
-from nbclient.exceptions import CellExecutionError
 
 CELLS = [
     "import tpunb\ntpunb.simulate(cores=8);",
     # A function defined in the notebook, and a closure over notebook state.
-    "def train(rank, scale):\n"
-    "    import torch_xla.runtime as xr\n"
-    "    return rank * scale, xr.world_size()\n"
-    "print(tpunb.launch(train, 10))",
+    (
+        "def train(rank, scale):\n"
+        "    import torch_xla.runtime as xr\n"
+        "    return rank * scale, xr.world_size()\n"
+        "print(tpunb.launch(train, 10))"
+    ),
     "offset = 5\nprint(tpunb.launch(lambda rank: rank + offset))",
-    "def broken(rank):\n"
-    "    if rank == 3:\n"
-    "        raise ValueError('rank 3 is broken')\n"
-    "    return rank\n"
-    "tpunb.launch(broken)",
+    (
+        "def broken(rank):\n"
+        "    if rank == 3:\n"
+        "        raise ValueError('rank 3 is broken')\n"
+        "    return rank\n"
+        "tpunb.launch(broken)"
+    ),
     "print(tpunb.launch(lambda rank: rank * rank))",
     "tpunb.launch(train, 1, start_method='spawn')",
 ]
@@ -30,12 +32,18 @@ def _output_text(cell):
 def test_launch_from_a_jupyter_kernel(tmp_path):
     notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in CELLS])
     client = NotebookClient(
-        notebook, timeout=120, kernel_name="python3", allow_errors=True,
+        notebook,
+        timeout=120,
+        kernel_name="python3",
+        allow_errors=True,
         resources={"metadata": {"path": str(tmp_path)}},
     )
     client.execute()
     cells = notebook.cells
-    assert "[(0, 8), (10, 8), (20, 8), (30, 8), (40, 8), (50, 8), (60, 8), (70, 8)]" in _output_text(cells[1])
+    assert (
+        "[(0, 8), (10, 8), (20, 8), (30, 8), (40, 8), (50, 8), (60, 8), (70, 8)]"
+        in _output_text(cells[1])
+    )
     assert "[5, 6, 7, 8, 9, 10, 11, 12]" in _output_text(cells[2])
     (error,) = [o for o in cells[3].outputs if o.output_type == "error"]
     assert error.ename == "RankError"

@@ -7,17 +7,22 @@ import warnings
 
 import pytest
 import torch
+from conftest import launch_leftovers, run_python
 
 import tpunb
-
-from conftest import launch_leftovers, run_python
 
 
 def _identity(rank, tag, *, scale=1):
     import torch_xla.runtime as xr
 
-    return {"rank": rank, "ordinal": xr.global_ordinal(), "world": xr.world_size(),
-            "tag": tag, "scaled": rank * scale, "pid": os.getpid()}
+    return {
+        "rank": rank,
+        "ordinal": xr.global_ordinal(),
+        "world": xr.world_size(),
+        "tag": tag,
+        "scaled": rank * scale,
+        "pid": os.getpid(),
+    }
 
 
 def test_every_rank_returns_in_rank_order(cores8, no_children_left):
@@ -48,8 +53,12 @@ def _tensors(rank):
     device = torch_xla.device()
     weight = torch.nn.Parameter(torch.full((2,), float(rank), device=device))
     loss = (weight * 3).sum()  # not a leaf, requires grad
-    return {"cpu": torch.arange(3) + rank, "xla": torch.ones(2, device=device) * rank,
-            "parameter": weight, "loss": loss}
+    return {
+        "cpu": torch.arange(3) + rank,
+        "xla": torch.ones(2, device=device) * rank,
+        "parameter": weight,
+        "loss": loss,
+    }
 
 
 def test_tensors_come_back_by_value_on_the_cpu(cores8):
@@ -211,10 +220,10 @@ def test_kaggle_presets_are_removed_for_the_launch_and_restored(cores8, monkeypa
 
 def test_interrupting_the_kernel_stops_every_rank_and_the_next_launch_works():
     result = run_python(
-        """
+        f"""
         import os, signal, sys, threading, time
         import tpunb
-        sys.path.insert(0, {tests!r})
+        sys.path.insert(0, {os.path.dirname(__file__)!r})
         from conftest import launch_leftovers
 
         tpunb.simulate(cores=8)
@@ -231,7 +240,7 @@ def test_interrupting_the_kernel_stops_every_rank_and_the_next_launch_works():
             stopped = time.monotonic() - start - 3.0
             print("interrupted", stopped < 5, launch_leftovers())
         print(tpunb.launch(lambda rank: rank))
-        """.format(tests=os.path.dirname(__file__))
+        """
     )
     assert result.stdout.splitlines() == ["interrupted True []", str(list(range(8)))], result.stderr
 
@@ -264,7 +273,9 @@ def test_a_hang_is_reported_with_steps_and_stacks_then_stopped(cores8, no_childr
     assert "ranks 0, 1, 2, 4, 5, 6, 7: after step 1, waiting in a collective" in str(error)
     if blocks:
         assert error.ranks == tuple(range(8))
-        assert "rank 3: after step 1, in File" in str(error) and "in _skips_a_collective" in str(error)
+        assert "rank 3: after step 1, in File" in str(error) and "in _skips_a_collective" in str(
+            error
+        )
         assert "time.sleep(600)" not in error.stacks[3]  # faulthandler gives lines, not source
         assert "_skips_a_collective" in error.stacks[3]
     else:
@@ -315,6 +326,7 @@ def test_twenty_launches_leave_no_process_no_descriptor_and_little_memory(cores8
     assert launch_leftovers() == []
     assert _open_descriptors() == descriptors
     growth = psutil.Process().memory_info().rss - memory
-    print(f"20 launches: descriptors {descriptors} -> {_open_descriptors()}, rss +{growth / 2**20:.1f} MiB")
+    after = _open_descriptors()
+    print(f"20 launches: descriptors {descriptors} -> {after}, rss +{growth / 2**20:.1f} MiB")
     assert growth < 20 * 2**20
     assert [t.name for t in threading.enumerate() if t.name.startswith("tpunb")] == []

@@ -4,6 +4,7 @@ import collections
 
 import pytest
 import torch
+from conftest import in_forked_process
 from torch.utils.data import (
     DataLoader,
     DistributedSampler,
@@ -14,8 +15,6 @@ from torch.utils.data import (
 
 import tpunb
 from tpunb.sampling import distributed_version
-
-from conftest import in_forked_process
 
 
 def _indices_seen(rank, loader, epochs):
@@ -36,8 +35,13 @@ def test_every_sample_once_an_epoch_disjoint_ranks(cores8, samples, padding, shu
         # DistributedSampler pads to a multiple of 8 by repeating the first samples.
         assert sum(counts.values()) == samples + padding
         assert sorted(i for i, n in counts.items() if n == 2) == sorted(
-            (torch.randperm(samples, generator=torch.Generator().manual_seed(torch.initial_seed() + epoch))
-             if shuffle else torch.arange(samples))[:padding].tolist()
+            (
+                torch.randperm(
+                    samples, generator=torch.Generator().manual_seed(torch.initial_seed() + epoch)
+                )
+                if shuffle
+                else torch.arange(samples)
+            )[:padding].tolist()
         )
         assert {len(shard) for shard in shards} == {(samples + padding) // 8}
     first, second = ([i for seen, *_ in results for i in seen[e]] for e in (0, 1))
@@ -47,10 +51,17 @@ def test_every_sample_once_an_epoch_disjoint_ranks(cores8, samples, padding, shu
 
 def _shard_settings(rank, loader):
     sharded = tpunb.shard(loader).loader
-    return (sharded.batch_size, sharded.collate_fn is loader.collate_fn, sharded.drop_last,
-            sharded.pin_memory, sharded.worker_init_fn is loader.worker_init_fn,
-            sharded.generator is loader.generator, type(sharded.sampler).__name__,
-            sharded.sampler.shuffle, sharded.sampler.seed)
+    return (
+        sharded.batch_size,
+        sharded.collate_fn is loader.collate_fn,
+        sharded.drop_last,
+        sharded.pin_memory,
+        sharded.worker_init_fn is loader.worker_init_fn,
+        sharded.generator is loader.generator,
+        type(sharded.sampler).__name__,
+        sharded.sampler.shuffle,
+        sharded.sampler.seed,
+    )
 
 
 def _collate(batch):
@@ -63,9 +74,15 @@ def _worker_init(worker_id):
 
 def test_the_rebuilt_loader_keeps_the_original_settings(cores8):
     generator = torch.Generator().manual_seed(1234)
-    loader = DataLoader(TensorDataset(torch.arange(100)), batch_size=24, shuffle=True,
-                        collate_fn=_collate, drop_last=True, worker_init_fn=_worker_init,
-                        generator=generator)
+    loader = DataLoader(
+        TensorDataset(torch.arange(100)),
+        batch_size=24,
+        shuffle=True,
+        collate_fn=_collate,
+        drop_last=True,
+        worker_init_fn=_worker_init,
+        generator=generator,
+    )
     settings = set(tpunb.launch(_shard_settings, loader))
     assert settings == {(24, True, True, False, True, True, "DistributedSampler", True, 1234)}
 
@@ -100,10 +117,18 @@ _dataset = TensorDataset(torch.arange(10))
         (_MyLoader(_dataset, batch_size=2), r"_MyLoader is a subclass"),
         (DataLoader(_Stream(), batch_size=2), r"_Stream, an IterableDataset"),
         (DataLoader(_dataset, batch_sampler=[[0, 1], [2, 3]]), r"its own batch_sampler"),
-        (DataLoader(_dataset, batch_size=2, sampler=WeightedRandomSampler([1.0] * 10, 10)),
-         r"not one with a WeightedRandomSampler"),
-        (DataLoader(_dataset, batch_size=2, sampler=torch.utils.data.RandomSampler(
-            _dataset, replacement=True)), r"with replacement"),
+        (
+            DataLoader(_dataset, batch_size=2, sampler=WeightedRandomSampler([1.0] * 10, 10)),
+            r"not one with a WeightedRandomSampler",
+        ),
+        (
+            DataLoader(
+                _dataset,
+                batch_size=2,
+                sampler=torch.utils.data.RandomSampler(_dataset, replacement=True),
+            ),
+            r"with replacement",
+        ),
         ([1, 2, 3], r"takes a torch DataLoader, got list"),
     ],
 )
@@ -129,7 +154,6 @@ def _train_through_shard(rank, model, loader, optimizer):
 
     import torch_xla
     import torch_xla.core.xla_model as xm
-
     from test_data_parallel import EPOCHS, OPTIMIZERS
 
     model = copy.deepcopy(model).to(torch_xla.device())
@@ -148,8 +172,12 @@ def test_data_parallel_training_through_shard_matches_the_global_batch(cores8, s
     import test_data_parallel as reference
 
     dataset, model = reference._problem()
-    loader = DataLoader(dataset, batch_size=reference.BATCH, shuffle=shuffle,
-                        generator=torch.Generator().manual_seed(7))
+    loader = DataLoader(
+        dataset,
+        batch_size=reference.BATCH,
+        shuffle=shuffle,
+        generator=torch.Generator().manual_seed(7),
+    )
     states = tpunb.launch(_train_through_shard, model, loader, "Adam")
     expected = in_forked_process(reference._train_on_one_device, model, dataset, "Adam", shuffle)
     reference._assert_replicas_equal_reference(states, expected, model)

@@ -1,8 +1,7 @@
 import pytest
+from conftest import run_python
 
 import tpunb
-
-from conftest import run_python
 
 
 @pytest.mark.parametrize("cores", [0, -8, "8", 2.0, True])

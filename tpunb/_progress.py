@@ -20,8 +20,8 @@ _rank = threading.local()  # in a rank's thread: (Progress, rank)
 
 class Progress:
     """Per rank: steps done, the monotonic time of the last one, its pid and thread id,
-    and whether it finished. Created before the fork (an anonymous shared mapping: no file descriptor), written
-    by the ranks, read by the parent."""
+    and whether it finished. Created before the fork (an anonymous shared mapping: no
+    file descriptor), written by the ranks, read by the parent."""
 
     def __init__(self, ranks):
         self.ranks = ranks
@@ -126,5 +126,5 @@ def _threads(text):
     parts = re.split(
         r"^(?:Current thread|Thread) (0x[0-9a-f]+) \(most recent call first\):\n", text, flags=re.M
     )
-    for ident, body in zip(parts[1::2], parts[2::2]):
+    for ident, body in zip(parts[1::2], parts[2::2], strict=True):
         yield int(ident, 16), body.rstrip("\n")

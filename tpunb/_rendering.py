@@ -27,5 +27,5 @@ def html_table(title, rows, warnings):
 
 
 def count(number, noun):
-    """"1 core", "8 cores"."""
+    """ "1 core", "8 cores"."""
     return f"{number} {noun}{'s' if number != 1 else ''}"

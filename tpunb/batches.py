@@ -70,8 +70,9 @@ class BatchReport:
                 f"padding. Try batch_size={better}."
             )
         if self.last_batch and not self.drop_last:
+            last = _rendering.count(self.last_batch, "sample")
             yield (
-                f"The last batch of every epoch has {_rendering.count(self.last_batch, 'sample')}, not {batch}: a "
+                f"The last batch of every epoch has {last}, not {batch}: a "
                 "shape XLA has not seen, so it compiles another graph for it. Pass "
                 f"drop_last=True to the DataLoader (leaves out {self.last_batch * self.cores} "
                 "samples an epoch) or pick a batch size that divides "
@@ -79,9 +80,10 @@ class BatchReport:
             )
         if self.previous and self.previous[0] != self.cores:
             cores, global_batch = self.previous
+            before, now = _rendering.count(cores, "core"), _rendering.count(self.cores, "core")
             yield (
-                f"The global batch changed from {global_batch} ({_rendering.count(cores, 'core')}) to "
-                f"{self.global_batch} ({_rendering.count(self.cores, 'core')}) with the same per-core batch. Keep "
+                f"The global batch changed from {global_batch} ({before}) to "
+                f"{self.global_batch} ({now}) with the same per-core batch. Keep "
                 f"the learning rate tuned for {global_batch} by scaling it: "
                 f"tpunb.scale_learning_rate(lr, from_batch={global_batch}, "
                 f"to_batch={self.global_batch}); or keep the global batch with "
@@ -89,6 +91,7 @@ class BatchReport:
             )
 
     def _rows(self):
+        cores = _rendering.count(self.cores, "core")
         steps = f"{self.steps_per_epoch}"
         if self.last_batch:
             steps += (
@@ -100,7 +103,7 @@ class BatchReport:
             ("samples", str(self.samples)),
             ("cores", str(self.cores)),
             ("batch per core", str(self.per_core_batch)),
-            ("global batch", f"{self.global_batch} ({self.per_core_batch} x {_rendering.count(self.cores, 'core')})"),
+            ("global batch", f"{self.global_batch} ({self.per_core_batch} x {cores})"),
             ("samples per core", f"{self.samples_per_core} an epoch"),
             ("steps per epoch", steps),
             ("padded by the sampler", f"{_rendering.count(self.padded, 'sample')} repeated"),

@@ -57,7 +57,7 @@ def detect(pci_root="/sys/bus/pci/devices"):
     return Tpu(generation=generation, chips=len(generations))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _pci_tpu_generations(pci_root):
     # Cached: the chips attached to a host do not change while Python runs.
     generations = []

@@ -96,7 +96,11 @@ def _check_start_method(start_method):
 def _check_hang_timeout(hang_timeout):
     if hang_timeout is None:
         return
-    if isinstance(hang_timeout, bool) or not isinstance(hang_timeout, (int, float)) or hang_timeout <= 0:
+    if (
+        isinstance(hang_timeout, bool)
+        or not isinstance(hang_timeout, (int, float))
+        or hang_timeout <= 0
+    ):
         raise TpunbError(
             f"launch(hang_timeout={hang_timeout!r}): give the seconds a launch may go without "
             "any rank finishing a step before it is stopped, e.g. 600, or None to never stop it."
@@ -282,10 +286,13 @@ def _describe(error):
 _KNOWN_CAUSES = [
     (
         "device_ready_queues_",
-        "this notebook's process ran a backward pass (loss.backward()) before the launch. "
-        "PyTorch's autograd engine starts once per process, and processes forked after that "
-        "cannot run backward on XLA devices (https://github.com/pytorch/xla/issues/4174). "
-        "Restart the kernel and run backward passes only inside launched functions.",
+        (
+            "this notebook's process ran a backward pass (loss.backward()) before the launch. "
+            "PyTorch's autograd engine starts once per process, and processes forked after "
+            "that cannot run backward on XLA devices "
+            "(https://github.com/pytorch/xla/issues/4174). "
+            "Restart the kernel and run backward passes only inside launched functions."
+        ),
     ),
 ]
 
@@ -333,7 +340,9 @@ class _Supervisor:
 
     def run(self):
         spawn = _spawn_one_core if self.plan.cores == 1 else _spawn_all_cores
-        spawner = threading.Thread(target=self._spawn, args=(spawn,), name="tpunb-spawn", daemon=True)
+        spawner = threading.Thread(
+            target=self._spawn, args=(spawn,), name="tpunb-spawn", daemon=True
+        )
         with _processes.recording_children(spawner) as self.processes:
             self.channel.start()
             spawner.start()
@@ -480,13 +489,17 @@ def _hang_error(running, steps, stacks, idle, hang_timeout):
     )
     for ranks in groups.values():
         if ranks[0] in stacks:
-            message += f"\n\nPython stack of rank {ranks[0]} (most recent call first):\n{stacks[ranks[0]]}"
+            message += (
+                f"\n\nPython stack of rank {ranks[0]} (most recent call first):\n{stacks[ranks[0]]}"
+            )
     return RankError(message, ranks=running, stacks=stacks)
 
 
 def _where(stack):
     """Where a faulthandler stack waits, in words."""
-    frames = [line.strip() for line in (stack or "").splitlines() if line.strip().startswith("File")]
+    frames = [
+        line.strip() for line in (stack or "").splitlines() if line.strip().startswith("File")
+    ]
     if not frames:
         return "no Python stack (inside native code, or the process is gone)"
     innermost = next((f for f in frames if "/threading.py" not in f), frames[0])

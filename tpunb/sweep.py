@@ -46,10 +46,16 @@ class Sweep:
             )
             for row in self.rows
         ]
-        notes = [] if any(row.peak_memory for row in self.rows) else [
-            "Device memory is not reported on this device (the CPU has no allocator stats)."
-        ]
-        return f"tpunb batch-size sweep on {_rendering.count(self.rows[0].cores, 'core')}", rows, notes
+        notes = (
+            []
+            if any(row.peak_memory for row in self.rows)
+            else ["Device memory is not reported on this device (the CPU has no allocator stats)."]
+        )
+        return (
+            f"tpunb batch-size sweep on {_rendering.count(self.rows[0].cores, 'core')}",
+            rows,
+            notes,
+        )
 
     def __str__(self):
         return _rendering.text(*self._table())
@@ -94,7 +100,9 @@ def _sweep_on_every_core(rank, model, dataset, sizes, loss_fn, optimizer, steps,
     for size in sizes:
         replica = copy.deepcopy(model).to(device)
         opt = (optimizer or (lambda params: torch.optim.SGD(params, lr=0.01)))(replica.parameters())
-        batches = _forever(shard(DataLoader(dataset, batch_size=size, shuffle=True, drop_last=True)))
+        batches = _forever(
+            shard(DataLoader(dataset, batch_size=size, shuffle=True, drop_last=True))
+        )
         for step in range(warmup + steps):
             if step == warmup:
                 # Dispatch the pending step first: waiting on the devices while this rank's
