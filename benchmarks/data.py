@@ -11,21 +11,12 @@ import statistics
 import time
 
 import torch
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+from torch.utils.data import DataLoader, DistributedSampler
+from workload import BATCH, DATASET, MODEL, SAMPLES
 
 import tpunb
 
-SAMPLES, FEATURES, BATCH, EPOCHS = 16384, 64, 32, 2
-
-generator = torch.Generator().manual_seed(0)
-DATASET = TensorDataset(
-    torch.randn(SAMPLES, FEATURES, generator=generator),
-    torch.randint(0, 10, (SAMPLES,), generator=generator),
-)
-torch.manual_seed(0)
-MODEL = torch.nn.Sequential(
-    torch.nn.Linear(FEATURES, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10)
-)
+EPOCHS = 2
 
 
 def by_hand(device):

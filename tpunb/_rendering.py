@@ -4,6 +4,24 @@ console and as an HTML table for a notebook."""
 import html
 
 
+class Report:
+    """A report that shows as text in a console and as a table in a notebook. Subclasses
+    define ``_content()``: (title, [(name, value), ...], [warning, ...]). Dataclass
+    subclasses need ``repr=False`` to keep this ``__repr__``."""
+
+    def _content(self):
+        raise NotImplementedError
+
+    def __str__(self):
+        return text(*self._content())
+
+    def __repr__(self):
+        return str(self)
+
+    def _repr_html_(self):
+        return html_table(*self._content())
+
+
 def text(title, rows, warnings):
     width = max(len(name) for name, _ in rows)
     lines = [title]

@@ -17,8 +17,8 @@ TPU_BATCH_MULTIPLE = 8
 _reported = weakref.WeakKeyDictionary()
 
 
-@dataclasses.dataclass(frozen=True)
-class BatchReport:
+@dataclasses.dataclass(frozen=True, repr=False)
+class BatchReport(_rendering.Report):
     """What one epoch of a DataLoader looks like when split across ``cores`` cores."""
 
     samples: int
@@ -110,14 +110,8 @@ class BatchReport:
             ("dropped by drop_last", f"{_rendering.count(self.dropped, 'sample')} an epoch"),
         ]
 
-    def __str__(self):
-        return _rendering.text("tpunb batch report", self._rows(), self.warnings)
-
-    def __repr__(self):
-        return str(self)
-
-    def _repr_html_(self):
-        return _rendering.html_table("tpunb batch report", self._rows(), self.warnings)
+    def _content(self):
+        return "tpunb batch report", self._rows(), self.warnings
 
 
 def batch_report(loader, cores=None):

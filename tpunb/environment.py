@@ -8,8 +8,8 @@ import sys
 from tpunb import _rendering, hardware, platform, simulation
 
 
-@dataclasses.dataclass(frozen=True)
-class Environment:
+@dataclasses.dataclass(frozen=True, repr=False)
+class Environment(_rendering.Report):
     """The environment report; shows as text in a console and as a table in a notebook."""
 
     platform: str
@@ -68,14 +68,8 @@ class Environment:
             ("torch_xla", self.torch_xla or "not installed"),
         ]
 
-    def __str__(self):
-        return _rendering.text("tpunb environment", self._rows(), self.warnings)
-
-    def __repr__(self):
-        return str(self)
-
-    def _repr_html_(self):
-        return _rendering.html_table("tpunb environment", self._rows(), self.warnings)
+    def _content(self):
+        return "tpunb environment", self._rows(), self.warnings
 
 
 def env():

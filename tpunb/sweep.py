@@ -29,13 +29,13 @@ class SweepRow:
         return self.global_batch / self.seconds_per_step
 
 
-@dataclasses.dataclass(frozen=True)
-class Sweep:
+@dataclasses.dataclass(frozen=True, repr=False)
+class Sweep(_rendering.Report):
     """The rows of a batch-size sweep, smallest batch first; a table in a notebook."""
 
     rows: tuple
 
-    def _table(self):
+    def _content(self):
         rows = [
             (
                 f"batch {row.per_core_batch} a core",
@@ -56,15 +56,6 @@ class Sweep:
             rows,
             notes,
         )
-
-    def __str__(self):
-        return _rendering.text(*self._table())
-
-    def __repr__(self):
-        return str(self)
-
-    def _repr_html_(self):
-        return _rendering.html_table(*self._table())
 
 
 def sweep_batch_sizes(model, dataset, batch_sizes, loss_fn, *, optimizer=None, steps=5, warmup=2):
