@@ -75,7 +75,6 @@ class Environment(_rendering.Report):
 def env():
     """Report the platform, TPU (real or simulated), launch layout, versions and warnings."""
     tpu = hardware.detect()
-    torch_xla = sys.modules.get("torch_xla")
     report = Environment(
         platform=platform.name(),
         tpu=tpu,
@@ -83,8 +82,7 @@ def env():
         python=sys.version.split()[0],
         torch=_version("torch"),
         torch_xla=_version("torch_xla"),
-        # Without torch_xla imported the runtime cannot have started; never import it here.
-        runtime_started=bool(torch_xla and torch_xla._XLAC._xla_runtime_is_initialized()),
+        runtime_started=platform.runtime_started(),
         warnings=(),
     )
     return dataclasses.replace(report, warnings=tuple(_warnings(report)))

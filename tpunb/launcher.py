@@ -187,8 +187,7 @@ def _plan(cores):
 
 
 def _check_runtime_not_started():
-    torch_xla = sys.modules.get("torch_xla")
-    if torch_xla is None or not torch_xla._XLAC._xla_runtime_is_initialized():
+    if not platform.runtime_started():
         return
     restart = "Restart the kernel" if platform.in_kernel() else "Start a new Python process"
     raise TpunbError(
@@ -386,9 +385,9 @@ class _Supervisor:
             if time.monotonic() >= next_check:  # on the clock, however busy the inbox
                 self._check_for_hang()
                 next_check = time.monotonic() + 0.1
-            if self.failures and not self.stopping:
-                self._stop()
-            if self.stopping:
+            if self.failures:  # the first failure stops every rank
+                self.stopping = True
+            if self.stopping:  # again on every turn: processes may still be starting
                 _processes.kill_trees(self._pids())
 
     def _stop(self):

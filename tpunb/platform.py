@@ -1,5 +1,6 @@
-"""Where this Python runs (Colab, Kaggle, Binder, Jupyter, IPython or a script), read
-from ``sys.modules`` and environment variables without importing anything."""
+"""Where this Python runs (Colab, Kaggle, Binder, Jupyter, IPython or a script) and
+whether its XLA runtime started, read from ``sys.modules`` and environment variables
+without importing anything."""
 
 import os
 import sys
@@ -33,6 +34,13 @@ def in_kernel():
     ipython = sys.modules.get("IPython")
     shell = ipython.get_ipython() if ipython is not None else None
     return getattr(shell, "kernel", None) is not None
+
+
+def runtime_started():
+    """True when the XLA runtime runs in this process (it cannot without torch_xla
+    imported, so torch_xla is never imported to find out)."""
+    torch_xla = sys.modules.get("torch_xla")
+    return torch_xla is not None and torch_xla._XLAC._xla_runtime_is_initialized()
 
 
 def spawn_breaking_variables():

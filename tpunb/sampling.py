@@ -3,8 +3,8 @@ notebook, with the DistributedSampler torch_xla users must otherwise remember to
 (the sampler insertion Lightning does for its users)."""
 
 import inspect
-import sys
 
+from tpunb import platform
 from tpunb.errors import TpunbError
 
 # Parameters of DataLoader that shard() sets itself rather than copying.
@@ -41,12 +41,12 @@ def shard(loader):
     """Inside a launched function: ``loader`` split across the cores and sent to this rank's
     device, shuffled (or not) like the original, ``set_epoch`` called each epoch."""
     rebuild = distributed_version(loader)
-    torch_xla = sys.modules.get("torch_xla")
-    if torch_xla is None or not torch_xla._XLAC._xla_runtime_is_initialized():
+    if not platform.runtime_started():
         raise TpunbError(
             "shard(loader) runs inside the function given to tpunb.launch: it needs the "
             "rank's ordinal and the number of cores, which exist only there."
         )
+    import torch_xla
     import torch_xla.runtime as xr
 
     return ShardedLoader(rebuild(xr.world_size(), xr.global_ordinal()), torch_xla.device())

@@ -2,9 +2,8 @@
 
 import importlib.metadata
 import os
-import sys
 
-from tpunb import hardware
+from tpunb import hardware, platform
 from tpunb.errors import TpunbError
 
 # The collective fix in _cpu_collectives touches private torch_xla names that these
@@ -31,8 +30,7 @@ def simulate(cores=8):
             "directly with tpunb.launch(...). Simulation is for machines without a TPU."
         )
     _check_torch_xla_version()
-    torch_xla = sys.modules.get("torch_xla")
-    if torch_xla is not None and torch_xla._XLAC._xla_runtime_is_initialized():
+    if platform.runtime_started():
         raise TpunbError(
             "The XLA runtime is already running in this process, so the number of simulated "
             "cores can no longer change. Restart the kernel (or Python) and call "
