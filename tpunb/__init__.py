@@ -11,28 +11,40 @@ Importing tpunb imports neither torch_xla nor any plotting library and leaves
 
 __version__ = "0.1.0"
 
+from tpunb._steps import log
 from tpunb.batches import (
     batch_report,
     global_batch_size,
     per_core_batch_size,
     scale_learning_rate,
 )
+from tpunb.buckets import BucketCollate, choose_buckets
+from tpunb.compile_watch import CompileSummary
 from tpunb.environment import Environment, env
 from tpunb.errors import RankError, TpunbError, TpunbWarning
-from tpunb.launcher import launch
+from tpunb.graph_limit import limit_graphs
+from tpunb.history import History
+from tpunb.launcher import LaunchResults, launch
 from tpunb.sampling import shard
 from tpunb.simulation import simulate
 from tpunb.sweep import sweep_batch_sizes
 
 __all__ = [
+    "BucketCollate",
+    "CompileSummary",
     "Environment",
+    "History",
+    "LaunchResults",
     "RankError",
     "TpunbError",
     "TpunbWarning",
     "batch_report",
+    "choose_buckets",
     "env",
     "global_batch_size",
     "launch",
+    "limit_graphs",
+    "log",
     "per_core_batch_size",
     "scale_learning_rate",
     "shard",

@@ -3,7 +3,7 @@
 Used only under ``tpunb.simulate`` (never on a TPU). Upstream, collectives between
 threads on PJRT CPU devices hang (https://github.com/pytorch/xla/issues/5005,
 https://github.com/pytorch/xla/issues/9089). docs/simulation.md has the
-measurements; in short, three things must hold for a step that contains a collective:
+measurements; in short, four things must hold for a step that contains a collective:
 
 1. torch_xla's thread pool has a thread for every replica (``XLA_THREAD_POOL_SIZE``,
    set by ``simulate``), or the replicas beyond the pool size never arrive.
@@ -15,6 +15,13 @@ measurements; in short, three things must hold for a step that contains a collec
    the all-reduce token, which can block on a buffer still used by the pending
    all-reduce without releasing the GIL. So every replica first waits on a
    ``threading.Barrier`` (which releases the GIL) until all have dispatched.
+
+4. The graph holding the collective is the same on every rank. Ranks whose step differs
+   before the collective (batches of different shapes, rank-dependent Python numbers) would
+   compile different modules, hence different rendezvous. So the work traced before a
+   rank's first collective runs first, as a graph of its own (``_run_pending_work``); the
+   collective's graph then starts from device data. That cut is dispatched under the
+   dispatch lock too: without it, 1 run in 2 of a batch-size sweep aborted in rendezvous.
 
 Plus the synchronous PJRT CPU client (``PJRT_CPU_ASYNC_CLIENT=false``, set by
 ``simulate``): with the asynchronous one, Adam's step still deadlocked in buffer release.
@@ -98,10 +105,25 @@ def sync(wait=False, reset_scope=True):
 def _marking(primitive):
     @functools.wraps(primitive)
     def marked(*args, **kwargs):
-        _pending.collective = True
+        if not getattr(_pending, "collective", False):
+            _run_pending_work()
+            _pending.collective = True
         return primitive(*args, **kwargs)
 
     return marked
+
+
+def _run_pending_work():
+    """Runs what this rank has traced so far, before its first collective of the step.
+
+    See point 4 above. On a TPU each rank compiles its own step graph and the collectives
+    still meet; this cut lets the simulation do the same. A step then runs as two graphs,
+    each compiled once per distinct input.
+    """
+    with _dispatch_lock:
+        torch_xla._XLAC._xla_step_marker(
+            torch_xla._XLAC._xla_get_default_device(), [], wait=False, reset_scope=True
+        )
 
 
 def _all_gather_using_all_reduce(value, dim=0, groups=None, pin_layout=True):

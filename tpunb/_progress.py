@@ -67,7 +67,8 @@ class Progress:
         self._memory.close()
 
 
-def _tick():
+def tick():
+    """Called after each ``torch_xla.sync()`` in a rank's thread."""
     current = getattr(_rank, "current", None)
     if current is not None:
         progress, rank = current
@@ -76,28 +77,14 @@ def _tick():
 
 
 @contextlib.contextmanager
-def watching():
-    """For the duration of a launch, in the parent: ``torch_xla.sync`` counts steps in the
-    ranks that call it, and the stacks signal makes a process dump its threads' Python
-    stacks to the yielded file. The fork hands both to the ranks; the parent's own
-    behaviour is unchanged (no rank runs in it) and restored afterwards."""
-    import torch_xla
-    import torch_xla.torch_xla as torch_xla_module
-
-    sync = torch_xla.sync
-
-    def counting_sync(*args, **kwargs):
-        result = sync(*args, **kwargs)
-        _tick()
-        return result
-
+def stacks_on_signal():
+    """For the duration of a launch, in the parent: the stacks signal makes a process dump
+    its threads' Python stacks to the yielded file. The fork hands it to the ranks."""
     with tempfile.TemporaryFile("w+b") as stacks:
         faulthandler.register(STACKS_SIGNAL, file=stacks, all_threads=True, chain=False)
-        torch_xla.sync = torch_xla_module.sync = counting_sync  # compile() uses the module's
         try:
             yield stacks
         finally:
-            torch_xla.sync = torch_xla_module.sync = sync
             faulthandler.unregister(STACKS_SIGNAL)
 
 

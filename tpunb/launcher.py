@@ -19,7 +19,18 @@ import time
 import traceback
 import warnings
 
-from tpunb import _channel, _processes, _progress, hardware, platform, simulation
+from tpunb import (
+    _channel,
+    _hooks,
+    _processes,
+    _progress,
+    _steps,
+    compile_watch,
+    hardware,
+    history,
+    platform,
+    simulation,
+)
 from tpunb.errors import RankError, TpunbError, TpunbWarning
 
 # Jobs waiting to run, by key. The forked ranks find their job here (fork copies this
@@ -41,6 +52,20 @@ class _Job:
     cores: int
     channel: _channel.Channel
     progress: _progress.Progress
+    start: float = dataclasses.field(default_factory=time.monotonic)
+    # pid -> the rank that reports the process's compilations (torch_xla counts per process)
+    compile_reporters: dict = dataclasses.field(default_factory=dict)
+
+
+class LaunchResults(list):
+    """What each rank returned, by rank (a list), with what the launch recorded:
+    ``history`` (per rank, per step: logged values, batch shapes, compilations) and
+    ``compiles`` (the compilations and their causes, summed up)."""
+
+    def __init__(self, results, history, compiles):
+        super().__init__(results)
+        self.history = history
+        self.compiles = compiles
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,8 +94,8 @@ def launch(fn, *args, cores=None, hang_timeout=600, start_method="fork", **kwarg
         fn, args, kwargs, plan.cores, _channel.Channel(), _progress.Progress(plan.cores)
     )
     try:
-        watching = _progress.watching() if hang_timeout else contextlib.nullcontext()
-        with _without_spawn_breaking_variables(), watching as stacks:
+        stacks = _progress.stacks_on_signal() if hang_timeout else contextlib.nullcontext()
+        with _without_spawn_breaking_variables(), _hooks.installed(), stacks as stacks:
             return _Supervisor(plan, key, hang_timeout, stacks).run()
     finally:
         _jobs.pop(key).progress.close()
@@ -239,9 +264,13 @@ def _rank_main(key, rank):
     result or its error back to the parent."""
     job = _jobs[key]
     job.progress.enter(rank)
+    reports_compiles = job.compile_reporters.setdefault(os.getpid(), rank) == rank
+    recorder = _steps.Recorder(rank, job.channel, job.start, reports_compiles)
+    _steps.enter(recorder)
     try:
         try:
             result = job.fn(rank, *job.args, **job.kwargs)
+            recorder.finish()
         except BaseException as error:  # noqa: BLE001 - everything goes back to the notebook
             # The traceback starts in the user's function, not in this wrapper.
             remote = traceback.format_exception(type(error), error, error.__traceback__.tb_next)
@@ -262,6 +291,7 @@ def _rank_main(key, rank):
             if len(_finished) == _ranks_in_this_process(job):
                 job.channel.send(("returned", list(_finished)))
     finally:
+        _steps.leave()
         job.progress.finish(rank)
 
 
@@ -336,6 +366,8 @@ class _Supervisor:
         self.stopping = False
         self.spawn_ended = False
         self.spawn_error = None
+        self.history = history.History(plan.cores)
+        self.compile_watch = compile_watch.CompileWatch(plan.cores)
 
     def run(self):
         spawn = _spawn_one_core if self.plan.cores == 1 else _spawn_all_cores
@@ -417,6 +449,13 @@ class _Supervisor:
             self.failures.setdefault(message[1], (message[2], message[3]))
         elif kind == "returned":
             self.results.update(message[1])
+        elif kind == "steps":
+            self.history.add(message[1], message[2])
+            self._warn(self.compile_watch.add(message[1], message[2]))
+
+    def _warn(self, messages):
+        for message in messages:
+            warnings.warn(message, TpunbWarning, stacklevel=2)
 
     def _check_for_hang(self):
         if self.hang_timeout is None or self.stopping:
@@ -441,7 +480,12 @@ class _Supervisor:
         missing = [rank for rank in expected if rank not in self.results]
         if missing:
             raise self._lost_error(missing)
-        return [pickle.loads(self.results[rank]) for rank in expected]
+        self._warn(self.compile_watch.finish())
+        return LaunchResults(
+            [pickle.loads(self.results[rank]) for rank in expected],
+            self.history,
+            self.compile_watch.summary(),
+        )
 
     def _lost_error(self, missing):
         deaths, signals = [], []

@@ -1,0 +1,225 @@
+"""The compile watch on 8 simulated cores: compilations and CPU fallbacks step by step,
+their causes, and the fixes (buckets, a padded last batch, a graph limit)."""
+
+import copy
+import re
+import warnings
+
+import pytest
+import torch
+from conftest import in_forked_process
+from torch.utils.data import DataLoader
+
+import tpunb
+
+LENGTHS = range(8, 56)  # 48 distinct sequence lengths
+
+
+def _sequences(count=1024, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(LENGTHS.start, LENGTHS.stop, (count,), generator=generator)
+    return [
+        (torch.randn(int(n), 4, generator=generator), torch.randn((), generator=generator))
+        for n in lengths
+    ]
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Linear(4, 1)  # built in the notebook: ranks are threads sharing torch's RNG
+
+
+def _masked_mean_model_step(rank, model, loader, item_in_step=False):
+    """Trains a per-position linear model whose loss ignores padding: the same losses
+    whatever the batches are padded to."""
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+
+    device = torch_xla.device()
+    model = copy.deepcopy(model).to(device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    for inputs, targets, lengths in tpunb.shard(loader):
+        mask = torch.arange(inputs.shape[1], device=device) < lengths[:, None]
+        per_position = model(inputs).squeeze(-1) * mask
+        prediction = per_position.sum(1) / lengths
+        loss = ((prediction - targets) ** 2).mean()
+        loss.backward()
+        xm.optimizer_step(optimizer)
+        optimizer.zero_grad()
+        tpunb.log(loss=loss)
+        if item_in_step:
+            loss.item()
+    return rank
+
+
+def _train(collate, item_in_step=False):
+    loader = DataLoader(_sequences(), batch_size=8, collate_fn=collate, drop_last=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        results = tpunb.launch(_masked_mean_model_step, _model(), loader, item_in_step)
+    messages = [str(w.message) for w in caught if issubclass(w.category, tpunb.TpunbWarning)]
+    return results, messages
+
+
+def _losses(history):
+    return [history.values("loss")[rank][1] for rank in range(history.ranks)]
+
+
+@pytest.fixture(scope="module")
+def naive_and_bucketed():
+    tpunb.simulate(cores=8)
+    naive = _train(tpunb.BucketCollate(range(1, LENGTHS.stop)))  # pad to the batch's longest
+    lengths = [len(sequence) for sequence, _ in _sequences()]
+    bucketed = _train(tpunb.BucketCollate(tpunb.choose_buckets(lengths, 4)))
+    return naive, bucketed
+
+
+def test_without_buckets_every_new_shape_compiles_and_is_named_as_the_cause(naive_and_bucketed):
+    (results, messages), _ = naive_and_bucketed
+    compiles = results.compiles
+    lengths_seen = {shape[0][1] for shape in compiles.shapes}
+    assert len(lengths_seen) >= 20  # batches padded to their longest: many lengths
+    assert compiles.compiles >= len(lengths_seen)
+    shape_warnings = [m for m in messages if "not seen before" in m]
+    assert len(shape_warnings) == 1, messages  # once for the cause, not once a step
+    assert "distinct shapes so far" in shape_warnings[0]
+    assert "tpunb.BucketCollate" in shape_warnings[0]
+    # The per-step compilations add up to the total, and the history keeps them.
+    per_step = results.history.compiles_per_step()
+    assert sum(count for _, count, _ in per_step) == compiles.compiles
+    assert compiles.compile_seconds == pytest.approx(sum(s for _, _, s in per_step))
+
+
+def test_four_buckets_compile_at_most_four_step_graphs_after_the_warm_up(naive_and_bucketed):
+    (naive, _), (bucketed, messages) = naive_and_bucketed
+    compiles = bucketed.compiles
+    assert len({shape[0][1] for shape in compiles.shapes}) <= 4
+    assert compiles.compiles_after_warmup <= 4
+    assert compiles.compiles < naive.compiles.compiles / 3
+    assert len([m for m in messages if "not seen before" in m]) <= 1
+
+
+def _reference_losses(collate, steps):
+    """Each rank's loss a step, trained on one CPU device: per-rank gradients averaged, as
+    xm.optimizer_step's all-reduce does."""
+    from torch.utils.data import DistributedSampler
+
+    data = _sequences()
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    loaders = [
+        iter(
+            DataLoader(
+                data,
+                batch_size=8,
+                collate_fn=collate,
+                drop_last=True,
+                sampler=DistributedSampler(data, 8, rank, shuffle=False),
+            )
+        )
+        for rank in range(8)
+    ]
+    losses = [[] for _ in range(8)]
+    for _ in range(steps):
+        optimizer.zero_grad()
+        for rank in range(8):
+            inputs, targets, lengths = next(loaders[rank])
+            mask = torch.arange(inputs.shape[1]) < lengths[:, None]
+            prediction = (model(inputs).squeeze(-1) * mask).sum(1) / lengths
+            loss = ((prediction - targets) ** 2).mean()
+            (loss / 8).backward()
+            losses[rank].append(loss.item())
+        optimizer.step()
+    return losses
+
+
+def test_ranks_with_different_shapes_train_like_one_device(naive_and_bucketed):
+    (naive, _), (bucketed, _) = naive_and_bucketed
+    steps = 1024 // 8 // 8
+    reference = in_forked_process(_reference_losses, tpunb.BucketCollate([LENGTHS.stop]), steps)
+    # Padding is masked out of the loss: same losses, step for step, on every rank,
+    # whether each rank's batch is padded to its own longest sequence or to a bucket.
+    for results in (naive, bucketed):
+        for rank, losses in enumerate(_losses(results.history)):
+            assert len(losses) == steps
+            assert losses == pytest.approx(reference[rank], rel=1e-5, abs=1e-6)
+
+
+def test_item_in_the_step_is_reported_as_a_cpu_fallback(cores8):
+    collate = tpunb.BucketCollate([LENGTHS.stop])  # one shape: only the fallback to see
+    results, messages = _train(collate, item_in_step=True)
+    fallbacks = results.compiles.fallbacks
+    assert fallbacks["aten::_local_scalar_dense"] == 8 * (1024 // 8 // 8)  # once a step a rank
+    [warning] = [m for m in messages if "aten::_local_scalar_dense" in m]
+    assert ".item()" in warning and "on the CPU" in warning
+    assert "CPU fallback aten::_local_scalar_dense" in str(results.compiles)
+
+
+def test_a_short_last_batch_is_named_and_padding_it_removes_the_compilation(cores8):
+    def run(collate):
+        loader = DataLoader(_sequences(count=1000), batch_size=8, collate_fn=collate)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            results = tpunb.launch(_masked_mean_model_step, _model(), loader)
+        return results, [str(w.message) for w in caught]
+
+    # 1000 samples: 125 a core, the last batch of each core holds 5.
+    short, messages = run(tpunb.BucketCollate([LENGTHS.stop]))
+    assert {shape[0][0] for shape in short.compiles.shapes} == {8, 5}
+    [warning] = [m for m in messages if "short last batch" in m]
+    assert "drop_last=True" in warning and "batch_size=8" in warning
+    padded, messages = run(tpunb.BucketCollate([LENGTHS.stop], batch_size=8))
+    assert {shape[0][0] for shape in padded.compiles.shapes} == {8}
+    assert not [m for m in messages if "short last batch" in m]
+    assert padded.compiles.compiles < short.compiles.compiles
+
+
+def _limited_step(rank, sizes, max_graphs):
+    import torch_xla
+
+    device = torch_xla.device()
+    weight = torch.ones(4, device=device)
+    step = tpunb.limit_graphs(lambda x: (x * weight).sum(), max_graphs=max_graphs)
+    for size in sizes:
+        step(torch.ones(size, 4).to(device))
+        torch_xla.sync()
+    return len(sizes)
+
+
+@pytest.mark.parametrize("cores", [8, 1], ids=["threads-share-a-process", "one-rank-a-process"])
+def test_limit_graphs_fails_fast_on_one_graph_too_many(cores8, cores):
+    assert tpunb.launch(_limited_step, [5, 7, 5, 7], 2, cores=cores) == [4] * cores
+    with pytest.raises(tpunb.RankError) as caught:
+        tpunb.launch(_limited_step, [5, 7, 5, 9], 2, cores=cores)
+    message = str(caught.value)
+    assert "raised TpunbError" in message and "max_graphs=2" in message
+    assert re.search(r"\b9, ?4\]", message) and "tpunb.BucketCollate" in message
+
+
+def test_bucket_collate_pads_to_the_smallest_bucket_that_fits():
+    collate = tpunb.BucketCollate([4, 8, 16], pad_value=-1)
+    samples = [(torch.ones(3, 2), torch.tensor(1.0)), (torch.ones(6, 2), torch.tensor(2.0))]
+    padded, targets, lengths = collate(samples)
+    assert padded.shape == (2, 8, 2) and lengths.tolist() == [3, 6]
+    assert padded[0, 3:].eq(-1).all() and padded[1, :6].eq(1).all()
+    assert targets.tolist() == [1.0, 2.0]
+    padded, targets, lengths = tpunb.BucketCollate([8], batch_size=4)(samples)
+    assert padded.shape == (4, 8, 2) and targets.shape == (4,)
+    assert lengths.tolist() == [3, 6, 0, 0]
+    with pytest.raises(tpunb.TpunbError, match="longer than the largest bucket"):
+        tpunb.BucketCollate([4])(samples)
+
+
+def test_buckets_are_chosen_from_the_length_distribution():
+    lengths = list(range(1, 101))
+    assert tpunb.choose_buckets(lengths, 4) == [25, 50, 75, 100]
+    assert tpunb.choose_buckets([5] * 10 + [9], 4) == [5, 9]
+    with pytest.raises(tpunb.TpunbError, match="number of buckets"):
+        tpunb.choose_buckets(lengths, 0)
+
+
+def test_log_and_limit_graphs_outside_a_launch_say_where_they_belong():
+    with pytest.raises(tpunb.TpunbError, match="inside the function given to tpunb.launch"):
+        tpunb.log(loss=1.0)
+    with pytest.raises(tpunb.TpunbError, match="inside the function given to tpunb.launch"):
+        tpunb.limit_graphs(lambda x: x, max_graphs=2)

@@ -1,0 +1,209 @@
+"""In a rank: what each step did, recorded at every ``torch_xla.sync()`` and sent to the
+notebook in batches. A step's record holds the values given to ``tpunb.log``, the shapes
+of the batches the loader handed out, and, from one rank a process, the process's new
+compilations, compile time and CPU fallback ops (torch_xla's metrics are per process)."""
+
+import dataclasses
+import threading
+import time
+
+from tpunb.errors import TpunbError
+
+FLUSH_SECONDS = 0.5  # at most this long between a step and its record reaching the notebook
+_rank = threading.local()  # in a rank's thread: its Recorder
+
+
+@dataclasses.dataclass
+class Step:
+    """One step of one rank. ``compiles``, ``cached``, ``compile_seconds`` and
+    ``fallbacks`` are the process's, set only on the rank that reports them (None on the
+    others); ``shapes`` has one entry a batch the loader handed out in the step."""
+
+    step: int
+    time: float  # seconds since the launch started
+    values: dict
+    shapes: list
+    samples: int
+    compiles: int | None = None
+    cached: int | None = None
+    compile_seconds: float | None = None
+    fallbacks: dict | None = None
+
+
+class Recorder:
+    """A rank's steps: filled in its thread, sent over the launch's channel."""
+
+    def __init__(self, rank, channel, start, reports_compiles):
+        self.rank = rank
+        self.channel = channel
+        self.start = start
+        self.step = 0
+        self._values = {}  # name -> value logged in the current step
+        self._shapes = []
+        self._samples = 0
+        self._unsent = []  # finished steps, device values not yet read back
+        self._last_flush = time.monotonic()
+        self._counters = _CompileCounters() if reports_compiles else None
+
+    def log(self, values):
+        for name, value in values.items():
+            self._values[name] = _scalar(name, value)
+
+    def batch(self, batch):
+        shapes = _shapes(batch)
+        if shapes:
+            self._shapes.append(shapes)
+            self._samples += shapes[0][0] if shapes[0] else 1
+
+    def end_step(self):
+        """Called right after this rank's ``torch_xla.sync()``: the step's device values
+        are computed (not yet read back)."""
+        record = Step(
+            self.step,
+            time.monotonic() - self.start,
+            self._values,
+            self._shapes,
+            self._samples,
+        )
+        if self._counters is not None:
+            record.compiles, record.cached, record.compile_seconds, record.fallbacks = (
+                self._counters.since_last()
+            )
+        self._unsent.append(record)
+        self.step += 1
+        self._values, self._shapes, self._samples = {}, [], 0
+        if time.monotonic() - self._last_flush >= FLUSH_SECONDS:
+            self.flush()
+
+    def flush(self):
+        """Reads the logged device values back in one transfer and sends the steps."""
+        self._last_flush = time.monotonic()
+        if not self._unsent:
+            return
+        _read_back([record.values for record in self._unsent])
+        self.channel.send(("steps", self.rank, self._unsent))
+        self._unsent = []
+
+    def finish(self):
+        """At the end of the rank's function: the steps still unsent, and a last step for
+        values logged after the last sync (synced here so they can be read)."""
+        if self._values or self._shapes:
+            if any(_on_device(v) for v in self._values.values()):
+                import torch_xla
+
+                torch_xla.sync()  # ends the step through the hook, which records it
+            else:
+                self.end_step()
+        self.flush()
+
+
+def current():
+    return getattr(_rank, "recorder", None)
+
+
+def enter(recorder):
+    _rank.recorder = recorder
+
+
+def leave():
+    _rank.recorder = None
+
+
+def log(**values):
+    """Records scalar metrics for this rank's current step, e.g. ``tpunb.log(loss=loss)``.
+
+    Device tensors are not read when logged: they are read back in batches after the
+    steps that computed them (about twice a second), so logging adds no sync and no
+    device-to-host transfer to a step. The notebook plots them live and the launch's
+    ``history`` keeps them."""
+    recorder = current()
+    if recorder is None:
+        raise TpunbError(
+            "tpunb.log(...) records metrics of a rank: call it inside the function given to "
+            "tpunb.launch (or a Lightning run with tpunb's callback). In the notebook itself, "
+            "keep your own values."
+        )
+    recorder.log(values)
+
+
+def _scalar(name, value):
+    if isinstance(value, bool) or not hasattr(value, "__float__"):
+        raise TpunbError(
+            f"tpunb.log({name}=...) takes a number or a one-element tensor, got "
+            f"{type(value).__name__} {value!r:.80}. Log each value under its own name."
+        )
+    numel = getattr(value, "numel", None)
+    if numel is not None:
+        if numel() != 1:
+            raise TpunbError(
+                f"tpunb.log({name}=...) got a tensor of shape {tuple(value.shape)}; it takes "
+                "one number a name. Reduce it first, e.g. loss.mean() or acc.sum()."
+            )
+        return value.detach().reshape(())
+    return float(value)
+
+
+def _on_device(value):
+    device = getattr(value, "device", None)
+    return device is not None and device.type == "xla"
+
+
+def _read_back(values_by_step):
+    """Replaces device tensors by floats, with one transfer for all of them."""
+    places = [(values, name) for values in values_by_step for name in values]
+    tensors = [values[name] for values, name in places if _on_device(values[name])]
+    if tensors:
+        import torch_xla
+
+        host = iter(torch_xla._XLAC._xla_get_cpu_tensors(tensors))
+    for values, name in places:
+        value = values[name]
+        if _on_device(value):
+            values[name] = next(host).item()
+        elif not isinstance(value, float):
+            values[name] = float(value)
+
+
+def _shapes(batch):
+    """The shapes of the tensors in a batch (a tensor, or tuples, lists, dicts of them)."""
+    shape = getattr(batch, "shape", None)
+    if shape is not None:
+        return [tuple(shape)]
+    if isinstance(batch, dict):
+        batch = batch.values()
+    elif not isinstance(batch, (list, tuple)):
+        return []
+    return [s for item in batch for s in _shapes(item)]
+
+
+class _CompileCounters:
+    """torch_xla's compile and fallback counters of this process, as differences between
+    calls. Created in a rank: reading the metrics starts the runtime."""
+
+    def __init__(self):
+        import torch_xla.debug.metrics as met
+
+        self._met = met
+        self._last = self._read()
+
+    def _read(self):
+        met = self._met
+        compile_time = met.metric_data("CompileTime")
+        fallbacks = {name: met.counter_value(name) for name in met.executed_fallback_ops()}
+        return (
+            met.counter_value("UncachedCompile") or 0,
+            met.counter_value("CachedCompile") or 0,
+            compile_time[1] / 1e9 if compile_time else 0.0,
+            fallbacks,
+        )
+
+    def since_last(self):
+        now = self._read()
+        (compiles, cached, seconds, fallbacks), before = now, self._last
+        self._last = now
+        new_fallbacks = {
+            name: count - before[3].get(name, 0)
+            for name, count in fallbacks.items()
+            if count != before[3].get(name, 0)
+        }
+        return compiles - before[0], cached - before[1], seconds - before[2], new_fallbacks

@@ -1,0 +1,176 @@
+"""In the notebook, while a launch runs: the ranks' compilations and CPU fallbacks step by
+step, with their cause (a batch shape not seen before, a short last batch, an op that ran
+on the CPU, or a graph that changed for another reason), warned about once a cause after
+the warm-up, and summed up at the end."""
+
+import collections
+import dataclasses
+
+from tpunb import _rendering
+
+# Steps whose compilations are expected: the sync before the first batch, the first
+# training step, and the second, where optimizers such as Adam add their state.
+WARMUP_STEPS = 3
+
+# Why an op runs on the CPU, for the ops training code triggers most.
+_FALLBACK_CAUSES = {
+    "aten::_local_scalar_dense": (
+        ".item(), float(t), int(t) or a Python if on a tensor: the step stops, its graph "
+        "runs and the value is copied to the host. Log device tensors with tpunb.log(...) "
+        "(read back in batches), or keep the test on the device with torch.where"
+    ),
+    "aten::nonzero": (
+        "a boolean mask (x[mask]) or torch.nonzero: the result's shape depends on the data. "
+        "Multiply by the mask, or use torch.where, to keep shapes fixed"
+    ),
+    "aten::masked_select": (
+        "masked_select: the result's shape depends on the data. Multiply by the mask "
+        "instead, to keep shapes fixed"
+    ),
+}
+
+
+@dataclasses.dataclass(frozen=True, repr=False)
+class CompileSummary(_rendering.Report):
+    """Compilations of a launch (all processes together) and what caused them."""
+
+    compiles: int
+    warmup_compiles: int
+    compile_seconds: float
+    steps: int
+    shapes: list  # distinct batch shapes, in the order first seen
+    fallbacks: dict  # op name -> times it ran on the CPU
+    causes: list  # one line a cause seen after the warm-up
+
+    @property
+    def compiles_after_warmup(self):
+        return self.compiles - self.warmup_compiles
+
+    def _content(self):
+        rows = [
+            ("compilations", f"{self.compiles} ({self.warmup_compiles} in the warm-up)"),
+            ("compile time", f"{self.compile_seconds:.1f} s"),
+            ("steps", str(self.steps)),
+            ("batch shapes", str(len(self.shapes))),
+        ]
+        rows += [(f"CPU fallback {op}", f"{n} times") for op, n in self.fallbacks.items()]
+        return "Compilations", rows, self.causes
+
+
+class CompileWatch:
+    """Fed the ranks' step records as they arrive; a step is analysed once every rank has
+    reported it (compilations are counted per process, shapes per rank)."""
+
+    def __init__(self, ranks, warmup_steps=WARMUP_STEPS):
+        self.ranks = ranks
+        self.warmup_steps = warmup_steps
+        self._pending = collections.defaultdict(dict)  # step -> {rank: Step}
+        self._reported_through = dict.fromkeys(range(ranks), -1)
+        self._next_step = 0
+        self._shapes = {}  # batch shape -> first step seen (ordered)
+        self._batch_sizes = collections.Counter()
+        self._warned = set()
+        self.compiles = self.warmup_compiles = 0
+        self.compile_seconds = 0.0
+        self.fallbacks = collections.Counter()
+        self.causes = {}  # cause key -> message
+
+    def add(self, rank, steps):
+        """Takes a rank's new steps; returns the warnings they complete, once a cause."""
+        for step in steps:
+            self._pending[step.step][rank] = step
+            self._reported_through[rank] = step.step
+        return self._analyse(min(self._reported_through.values()))
+
+    def finish(self):
+        """Analyses the steps not every rank reached; returns their warnings."""
+        return self._analyse(max(self._pending, default=-1))
+
+    def summary(self):
+        return CompileSummary(
+            self.compiles,
+            self.warmup_compiles,
+            self.compile_seconds,
+            self._next_step,
+            list(self._shapes),
+            dict(self.fallbacks),
+            list(self.causes.values()),
+        )
+
+    def _analyse(self, through):
+        warnings = []
+        while self._next_step <= through:
+            warnings += self._step(self._next_step, self._pending.pop(self._next_step, {}))
+            self._next_step += 1
+        return warnings
+
+    def _step(self, number, by_rank):
+        reports = [s for s in by_rank.values() if s.compiles is not None]
+        compiles = sum(s.compiles for s in reports)
+        self.compiles += compiles
+        self.compile_seconds += sum(s.compile_seconds for s in reports)
+        fallbacks = collections.Counter()
+        for s in reports:
+            fallbacks.update(s.fallbacks)
+        self.fallbacks.update(fallbacks)
+        new = []
+        for rank in sorted(by_rank):
+            for batch in by_rank[rank].shapes:
+                key = _shape_key(batch)
+                if key not in self._shapes:
+                    self._shapes[key] = number
+                    new.append(key)
+                self._batch_sizes[key[0][0] if key[0] else 1] += 1
+        if number < self.warmup_steps:
+            self.warmup_compiles += compiles
+            return []
+        causes = [(f"fallback {op}", self._fallback_message(number, op)) for op in fallbacks]
+        if compiles:
+            causes.append(self._compile_cause(number, compiles, new))
+        warnings = []
+        for key, message in causes:
+            self.causes.setdefault(key, message)
+            if key not in self._warned:
+                self._warned.add(key)
+                warnings.append(message)
+        return warnings
+
+    def _compile_cause(self, number, compiles, new):
+        graphs = _rendering.count(compiles, "new graph")
+        if not new:
+            return "graph", (
+                f"step {number} compiled {graphs} with batch shapes seen before: the graph "
+                "itself changed, e.g. a Python branch on a tensor value, a value that is a "
+                "Python number one step and another the next, or a different code path "
+                "(evaluation, logging). Keep the step's code path the same every step."
+            )
+        usual = self._batch_sizes.most_common(1)[0][0]
+        short = [key for key in new if key[0] and key[0][0] < usual]
+        if short and len(short) == len(new):
+            return "short batch", (
+                f"step {number} compiled {graphs}: batch shape {_format(short[0])} is smaller "
+                f"than the usual batch of {usual}, the short last batch of an epoch. Build the "
+                "DataLoader with drop_last=True, or pad it to the full batch with "
+                f"tpunb.BucketCollate(..., batch_size={usual})."
+            )
+        return "shapes", (
+            f"step {number} compiled {graphs}: batch shape {_format(new[0])} not seen before; "
+            f"{_rendering.count(len(self._shapes), 'distinct shape')} so far. Every new shape "
+            "is a new graph to compile. Pad to buckets: DataLoader(..., collate_fn="
+            "tpunb.BucketCollate(tpunb.choose_buckets(lengths, 4))) gives at most 4 shapes."
+        )
+
+    def _fallback_message(self, number, op):
+        why = _FALLBACK_CAUSES.get(op, "an op torch_xla has no XLA lowering for")
+        return (
+            f"step {number} ran {op} on the CPU (a fallback: the step's graph is cut there "
+            f"and data goes through the host). Likely cause: {why}."
+        )
+
+
+def _shape_key(batch):
+    return tuple(tuple(shape) for shape in batch)
+
+
+def _format(key):
+    return " and ".join(str(shape) for shape in key)
