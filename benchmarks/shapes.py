@@ -24,7 +24,8 @@ import tpunb
 SAMPLES, BATCH, LENGTHS, WIDTH = 4096, 16, range(8, 128), 32
 
 _generator = torch.Generator().manual_seed(0)
-_lengths = torch.randint(LENGTHS.start, LENGTHS.stop, (SAMPLES,), generator=_generator)
+# Mostly short sequences and a long tail, as in text: batch maxima spread widely.
+_lengths = (LENGTHS.start + torch.rand(SAMPLES, generator=_generator) ** 4 * len(LENGTHS)).long()
 DATASET = [
     (torch.randn(int(n), WIDTH, generator=_generator), torch.randn((), generator=_generator))
     for n in _lengths
@@ -32,7 +33,7 @@ DATASET = [
 torch.manual_seed(0)
 MODEL = torch.nn.Sequential(torch.nn.Linear(WIDTH, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1))
 NAIVE = tpunb.BucketCollate(range(1, LENGTHS.stop))  # every batch padded to its longest
-BUCKETED = tpunb.BucketCollate(tpunb.choose_buckets(_lengths.tolist(), 4))
+BUCKETED = tpunb.BucketCollate(tpunb.choose_buckets(_lengths.tolist(), 4, batch_size=BATCH))
 
 
 def train(rank, collate, timed_from=5):
@@ -90,19 +91,23 @@ def naive_against_buckets(repeats):
     )
 
 
+# xmp.spawn returns nothing: the ranks' timings come back through shared memory.
+_TIMES = torch.zeros(8).share_memory_()
+
+
+def _timed(rank):
+    _TIMES[rank] = train(rank, BUCKETED)
+
+
 def watch_overhead(repeats):
     import torch_xla.distributed.xla_multiprocessing as xmp
 
     def bare():
-        # xmp.spawn returns nothing: the ranks' timings come back through a shared array.
-        times = torch.zeros(8).share_memory_()
+        _TIMES.zero_()
+        xmp.spawn(_timed, start_method="fork")
+        return _TIMES.tolist()
 
-        def timed(rank):
-            times[rank] = train(rank, BUCKETED)
-
-        xmp.spawn(timed, start_method="fork")
-        return times.tolist()
-
+    warnings.simplefilter("ignore", tpunb.TpunbWarning)  # new buckets are expected here
     sides = {"bare xmp.spawn": bare, "tpunb.launch": lambda: tpunb.launch(train, BUCKETED)}
     for run in sides.values():  # warm-up
         run()

@@ -70,7 +70,7 @@ def naive_and_bucketed():
     tpunb.simulate(cores=8)
     naive = _train(tpunb.BucketCollate(range(1, LENGTHS.stop)))  # pad to the batch's longest
     lengths = [len(sequence) for sequence, _ in _sequences()]
-    bucketed = _train(tpunb.BucketCollate(tpunb.choose_buckets(lengths, 4)))
+    bucketed = _train(tpunb.BucketCollate(tpunb.choose_buckets(lengths, 4, batch_size=8)))
     return naive, bucketed
 
 
@@ -214,6 +214,9 @@ def test_buckets_are_chosen_from_the_length_distribution():
     lengths = list(range(1, 101))
     assert tpunb.choose_buckets(lengths, 4) == [25, 50, 75, 100]
     assert tpunb.choose_buckets([5] * 10 + [9], 4) == [5, 9]
+    # Batches are padded to their longest: buckets follow the longest length of a batch.
+    by_batch = tpunb.choose_buckets(lengths, 4, batch_size=8)
+    assert len(by_batch) == 4 and by_batch[-1] == 100 and by_batch[0] > 25
     with pytest.raises(tpunb.TpunbError, match="number of buckets"):
         tpunb.choose_buckets(lengths, 0)
 

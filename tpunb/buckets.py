@@ -3,19 +3,26 @@ few bucket lengths (so XLA compiles a few graphs, not one a length), and optiona
 short last batch to the full batch size."""
 
 import bisect
+import random
 
 from tpunb.errors import TpunbError
 
 
-def choose_buckets(lengths, count=4):
-    """``count`` bucket lengths from the data's sequence lengths: quantiles, so each
-    bucket holds about as many sequences, the last one the longest length. Padding costs
-    compute; each bucket costs a compilation."""
-    lengths = sorted(int(n) for n in lengths)
+def choose_buckets(lengths, count=4, batch_size=None):
+    """``count`` bucket lengths from the data's sequence lengths: quantiles, so that about
+    as many batches fall in each bucket, the last one the longest length. A batch is
+    padded to its longest sequence, so with ``batch_size`` the quantiles are those of the
+    longest length in shuffled batches of that size (a fixed shuffle: the same buckets
+    every call). Padding costs compute; each bucket costs a compilation."""
+    lengths = [int(n) for n in lengths]
     if not lengths:
         raise TpunbError("choose_buckets(lengths) needs the dataset's sequence lengths.")
     if isinstance(count, bool) or not isinstance(count, int) or count < 1:
         raise TpunbError(f"choose_buckets(count={count!r}): give a number of buckets, e.g. 4.")
+    if batch_size:
+        shuffled = random.Random(0).sample(lengths, len(lengths))
+        lengths = [max(shuffled[i : i + batch_size]) for i in range(0, len(lengths), batch_size)]
+    lengths.sort()
     picks = {
         lengths[min(len(lengths) - 1, -(-len(lengths) * i // count) - 1)]
         for i in range(1, count + 1)

@@ -157,7 +157,8 @@ class CompileWatch:
             f"step {number} compiled {graphs}: batch shape {_format(new[0])} not seen before; "
             f"{_rendering.count(len(self._shapes), 'distinct shape')} so far. Every new shape "
             "is a new graph to compile. Pad to buckets: DataLoader(..., collate_fn="
-            "tpunb.BucketCollate(tpunb.choose_buckets(lengths, 4))) gives at most 4 shapes."
+            "tpunb.BucketCollate(tpunb.choose_buckets(lengths, 4, batch_size=...))) gives at "
+            "most 4 shapes."
         )
 
     def _fallback_message(self, number, op):
