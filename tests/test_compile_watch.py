@@ -226,3 +226,24 @@ def test_log_and_limit_graphs_outside_a_launch_say_where_they_belong():
         tpunb.log(loss=1.0)
     with pytest.raises(tpunb.TpunbError, match="inside the function given to tpunb.launch"):
         tpunb.limit_graphs(lambda x: x, max_graphs=2)
+
+
+def test_the_history_keeps_every_logged_value_and_survives_a_round_trip(
+    naive_and_bucketed, tmp_path
+):
+    (naive, _), _ = naive_and_bucketed
+    history = naive.history
+    steps = 1024 // 8 // 8
+    assert history.names() == ["loss"]
+    assert all(len(history.values("loss")[rank][1]) == steps for rank in range(8))
+    assert sum(row["samples"] for row in history.rows()) == 1024  # each sample once
+    history.save(tmp_path / "history.json")
+    loaded = tpunb.History.load(tmp_path / "history.json")
+    assert loaded.rows() == history.rows()
+    figure = loaded.plot()  # Agg, no display: loss per core, samples/s, compilations
+    titles = [ax.get_title() for ax in figure.axes if ax.get_title()]
+    assert titles[0] == "loss per core" and "samples/s" in titles[1]
+    assert titles[2].startswith("new compilations per step")
+    [loss_axes] = [ax for ax in figure.axes if ax.get_title() == "loss per core"]
+    assert len(loss_axes.lines) == 8
+    assert list(loss_axes.lines[3].get_ydata()) == history.values("loss")[3][1]

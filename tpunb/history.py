@@ -49,16 +49,18 @@ class History:
                     totals[s.step] = (count + s.compiles, seconds + s.compile_seconds)
         return [(step, *totals[step]) for step in sorted(totals)]
 
-    def samples_per_second(self, rank, window=1.0):
-        """([time, ...], [samples/s, ...]) for ``rank``, averaged over ``window`` seconds."""
+    def samples_per_second(self, rank=None, window=1.0):
+        """([time, ...], [samples/s, ...]) for ``rank`` (None: all ranks together),
+        averaged over ``window`` seconds."""
         times, rates = [], []
-        steps = [s for s in self.steps[rank] if s.samples]
+        ranks = self.steps if rank is None else [rank]
+        steps = sorted((s for r in ranks for s in self.steps[r] if s.samples), key=lambda s: s.time)
         start = 0
         for end, step in enumerate(steps):
             while steps[start].time < step.time - window:
                 start += 1
-            if end > start:
-                span = step.time - steps[start].time
+            span = step.time - steps[start].time
+            if span >= window / 4:  # shorter spans measure bursts of arrival, not speed
                 times.append(step.time)
                 rates.append(sum(s.samples for s in steps[start + 1 : end + 1]) / span)
         return times, rates
