@@ -247,3 +247,30 @@ def test_the_history_keeps_every_logged_value_and_survives_a_round_trip(
     [loss_axes] = [ax for ax in figure.axes if ax.get_title() == "loss per core"]
     assert len(loss_axes.lines) == 8
     assert list(loss_axes.lines[3].get_ydata()) == history.values("loss")[3][1]
+
+
+def _record(step, batch, compiles=None):
+    from tpunb._steps import Step
+
+    counters = {} if compiles is None else {"compiles": compiles, "compile_seconds": 0.1}
+    return Step(step, 0.0, {}, [[(batch, 16)]], batch, fallbacks={}, **counters)
+
+
+@pytest.mark.parametrize("lag", [0, -1], ids=["same-step", "one-step-early"])
+def test_a_compilation_read_a_step_early_is_still_blamed_on_its_new_shape(lag):
+    # Where ranks share a process, rank 0 reads the process's counters after its step;
+    # another rank may already have compiled its next step by then (seen on CI).
+    watch = tpunb.compile_watch.CompileWatch(ranks=2)
+    batches = [8] * 9 + [5]
+    compiles = [2, 1, 0] + [0] * 7
+    compiles[9 + lag] += 1
+    messages = []
+    for step, (batch, count) in enumerate(zip(batches, compiles)):
+        messages += watch.add(0, [_record(step, batch, compiles=count)])
+        messages += watch.add(1, [_record(step, batch)])
+    messages += watch.finish()
+    [message] = messages
+    assert message.startswith("step 9 compiled 1 new graph: batch shape (5, 16)")
+    assert "short last batch" in message
+    summary = watch.summary()
+    assert (summary.compiles, summary.compiles_after_warmup, summary.steps) == (4, 1, 10)

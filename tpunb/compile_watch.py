@@ -66,7 +66,9 @@ class CompileWatch:
         self.warmup_steps = warmup_steps
         self._pending = collections.defaultdict(dict)  # step -> {rank: Step}
         self._reported_through = dict.fromkeys(range(ranks), -1)
-        self._next_step = 0
+        self._registered = 0  # steps before this one are complete and counted
+        self._next_step = 0  # steps before this one are judged
+        self._registers = {}  # step -> (compiles, fallbacks, new shapes), until judged
         self._shapes = {}  # batch shape -> first step seen (ordered)
         self._batch_sizes = collections.Counter()
         self._warned = set()
@@ -80,34 +82,43 @@ class CompileWatch:
         for step in steps:
             self._pending[step.step][rank] = step
             self._reported_through[rank] = step.step
-        return self._analyse(min(self._reported_through.values()))
+        return self._analyse(min(self._reported_through.values()), final=False)
 
     def finish(self):
         """Analyses the steps not every rank reached; returns their warnings."""
-        return self._analyse(max(self._pending, default=-1))
+        return self._analyse(max(self._pending, default=self._registered - 1), final=True)
 
     def summary(self):
         return CompileSummary(
             self.compiles,
             self.warmup_compiles,
             self.compile_seconds,
-            self._next_step,
+            self._registered,
             list(self._shapes),
             dict(self.fallbacks),
             list(self.causes.values()),
         )
 
-    def _analyse(self, through):
+    def _analyse(self, through, final):
+        # A step is judged once the next one is complete too: where ranks share a process,
+        # the rank reading the counters may read them while another rank already compiles
+        # its next step, so a compilation can show up one step before its new shape.
+        while self._registered <= through:
+            self._register(self._registered, self._pending.pop(self._registered, {}))
+            self._registered += 1
+        last = self._registered - 1 if final else self._registered - 2
         warnings = []
-        while self._next_step <= through:
-            warnings += self._step(self._next_step, self._pending.pop(self._next_step, {}))
+        while self._next_step <= last:
+            warnings += self._judge(self._next_step)
             self._next_step += 1
         return warnings
 
-    def _step(self, number, by_rank):
+    def _register(self, number, by_rank):
         reports = [s for s in by_rank.values() if s.compiles is not None]
         compiles = sum(s.compiles for s in reports)
         self.compiles += compiles
+        if number < self.warmup_steps:
+            self.warmup_compiles += compiles
         self.compile_seconds += sum(s.compile_seconds for s in reports)
         fallbacks = collections.Counter()
         for s in reports:
@@ -121,12 +132,20 @@ class CompileWatch:
                     self._shapes[key] = number
                     new.append(key)
                 self._batch_sizes[key[0][0] if key[0] else 1] += 1
+        self._registers[number] = compiles, fallbacks, new
+
+    def _judge(self, number):
+        compiles, fallbacks, new = self._registers[number]
+        self._registers.pop(number - 1, None)  # kept until now as a neighbour
         if number < self.warmup_steps:
-            self.warmup_compiles += compiles
             return []
         causes = [(f"fallback {op}", self._fallback_message(number, op)) for op in fallbacks]
         if compiles:
-            causes.append(self._compile_cause(number, compiles, new))
+            # The new shapes that explain the compilations: this step's, else a neighbour's.
+            shaped_at = next(
+                (n for n in (number, number + 1, number - 1) if self._new_at(n)), number
+            )
+            causes.append(self._compile_cause(shaped_at, compiles, self._new_at(shaped_at)))
         warnings = []
         for key, message in causes:
             self.causes.setdefault(key, message)
@@ -134,6 +153,10 @@ class CompileWatch:
                 self._warned.add(key)
                 warnings.append(message)
         return warnings
+
+    def _new_at(self, number):
+        register = self._registers.get(number)
+        return register[2] if register and number >= self.warmup_steps else []
 
     def _compile_cause(self, number, compiles, new):
         graphs = _rendering.count(compiles, "new graph")
