@@ -265,7 +265,7 @@ def test_a_compilation_read_a_step_early_is_still_blamed_on_its_new_shape(lag):
     compiles = [2, 1, 0] + [0] * 7
     compiles[9 + lag] += 1
     messages = []
-    for step, (batch, count) in enumerate(zip(batches, compiles)):
+    for step, (batch, count) in enumerate(zip(batches, compiles, strict=True)):
         messages += watch.add(0, [_record(step, batch, compiles=count)])
         messages += watch.add(1, [_record(step, batch)])
     messages += watch.finish()

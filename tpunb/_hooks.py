@@ -30,7 +30,7 @@ def installed():
         batch = next_batch(self)
         recorder = _steps.current()
         if recorder is not None:
-            recorder.batch(batch)
+            recorder.batch(batch, self)
         return batch
 
     # torch_xla.compile and the loaders call the module's sync, user code the package's.

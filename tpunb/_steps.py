@@ -28,6 +28,12 @@ class Step:
     cached: int | None = None
     compile_seconds: float | None = None
     fallbacks: dict | None = None
+    # Progress through the first loader the rank iterated (its training loader): the
+    # epoch (0 for the first pass), batches handed out so far in it, and batches a pass
+    # (None when the loader has no length). None before that loader's first batch.
+    epoch: int | None = None
+    epoch_batch: int | None = None
+    epoch_batches: int | None = None
 
 
 class Recorder:
@@ -41,6 +47,9 @@ class Recorder:
         self._values = {}  # name -> value logged in the current step
         self._shapes = []
         self._samples = 0
+        self._loader = None  # the training loader's dataset, once seen
+        self._epoch = self._epoch_batch = self._epoch_batches = None
+        self._pass = None  # the device loader of the training loader's current pass
         self._unsent = []  # finished steps, device values not yet read back
         self._last_flush = time.monotonic()
         self._counters = _CompileCounters() if reports_compiles else None
@@ -49,7 +58,10 @@ class Recorder:
         for name, value in values.items():
             self._values[name] = _scalar(name, value)
 
-    def batch(self, batch):
+    def batch(self, batch, device_loader):
+        """A batch handed out by torch_xla's per-device loader ``device_loader`` (a new
+        one each pass over the data)."""
+        self._count_pass(device_loader)
         shapes = _shapes(batch)
         if shapes:
             self._shapes.append(shapes)
@@ -64,6 +76,9 @@ class Recorder:
             self._values,
             self._shapes,
             self._samples,
+            epoch=self._epoch,
+            epoch_batch=self._epoch_batch,
+            epoch_batches=self._epoch_batches,
         )
         if self._counters is not None:
             record.compiles, record.cached, record.compile_seconds, record.fallbacks = (
@@ -75,6 +90,25 @@ class Recorder:
         if time.monotonic() - self._last_flush >= FLUSH_SECONDS:
             self.flush()
 
+    def _count_pass(self, device_loader):
+        # Told apart by dataset: shard() builds a new DataLoader at each call, on the same
+        # dataset.
+        host_loader = getattr(device_loader._loader, "_cpu_loader", None)
+        data = getattr(host_loader, "dataset", host_loader)
+        if self._loader is None:
+            self._loader = data
+        if data is not self._loader:
+            return  # another loader (evaluation): not the training progress
+        if device_loader is not self._pass:
+            self._pass = device_loader
+            self._epoch = 0 if self._epoch is None else self._epoch + 1
+            self._epoch_batch = 0
+            try:
+                self._epoch_batches = len(device_loader)
+            except TypeError:  # an IterableDataset without __len__
+                self._epoch_batches = None
+        self._epoch_batch += 1
+
     def flush(self):
         """Reads the logged device values back in one transfer and sends the steps."""
         self._last_flush = time.monotonic()
@@ -83,6 +117,14 @@ class Recorder:
         _read_back([record.values for record in self._unsent])
         self.channel.send(("steps", self.rank, self._unsent))
         self._unsent = []
+
+    def flush_finished_steps(self):
+        """After an error in the rank: sends the steps that ended with a sync (their
+        values are computed), never syncing again; gives up quietly if reading fails."""
+        try:
+            self.flush()
+        except Exception:  # noqa: BLE001 - the rank's own error is the one to report
+            self._unsent = []
 
     def finish(self):
         """At the end of the rank's function: the steps still unsent, and a last step for

@@ -7,6 +7,26 @@ import json
 from tpunb._steps import Step
 
 
+def _rates(steps, over):
+    """One rank's samples/s at each of its steps (after the first batch), over the last
+    ``over`` steps: a running sum, cheap however long the run."""
+    numbers, rates = [], []
+    start = next((i for i, s in enumerate(steps) if s.samples), None)
+    if start is None:
+        return numbers, rates
+    in_window = 0  # samples of steps[first + 1 : end + 1]
+    for end in range(start + 1, len(steps)):
+        first = max(start, end - over)
+        in_window += steps[end].samples
+        if end - over > start:
+            in_window -= steps[first].samples
+        span = steps[end].time - steps[first].time
+        if span > 0:
+            numbers.append(steps[end].step)
+            rates.append(in_window / span)
+    return numbers, rates
+
+
 class History:
     """``history.steps[rank]`` is the list of that rank's steps, in order (see
     ``tpunb._steps.Step``). ``rows()`` flattens them to dicts; ``save``/``load`` keep them
@@ -49,21 +69,21 @@ class History:
                     totals[s.step] = (count + s.compiles, seconds + s.compile_seconds)
         return [(step, *totals[step]) for step in sorted(totals)]
 
-    def samples_per_second(self, rank=None, window=1.0):
-        """([time, ...], [samples/s, ...]) for ``rank`` (None: all ranks together),
-        averaged over ``window`` seconds."""
-        times, rates = [], []
-        ranks = self.steps if rank is None else [rank]
-        steps = sorted((s for r in ranks for s in self.steps[r] if s.samples), key=lambda s: s.time)
-        start = 0
-        for end, step in enumerate(steps):
-            while steps[start].time < step.time - window:
-                start += 1
-            span = step.time - steps[start].time
-            if span >= window / 4:  # shorter spans measure bursts of arrival, not speed
-                times.append(step.time)
-                rates.append(sum(s.samples for s in steps[start + 1 : end + 1]) / span)
-        return times, rates
+    def samples_per_second(self, rank=None, over=10):
+        """([step, ...], [samples/s, ...]) of ``rank``, each over its last ``over`` steps
+        (timed in the rank). ``rank=None``: all ranks together, at the steps every rank
+        has."""
+        if rank is not None:
+            return _rates(self.steps[rank], over)
+        per_rank = [dict(zip(*_rates(steps, over), strict=True)) for steps in self.steps.values()]
+        steps = sorted(set.intersection(*(set(rates) for rates in per_rank)))
+        return steps, [sum(rates[step] for rates in per_rank) for step in steps]
+
+    def current_samples_per_second(self, over=10):
+        """All ranks' samples/s over their last ``over`` steps (None before that can be
+        told): from the tails only, cheap however long the run."""
+        rates = [_rates(steps[-over - 1 :], over)[1] for steps in self.steps.values()]
+        return sum(r[-1] for r in rates) if all(rates) else None
 
     def rows(self):
         """Every step of every rank as a plain dict (rank first), for pandas or a CSV."""

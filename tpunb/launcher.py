@@ -31,6 +31,7 @@ from tpunb import (
     platform,
     simulation,
 )
+from tpunb import live as live_view
 from tpunb.errors import RankError, TpunbError, TpunbWarning
 
 # Jobs waiting to run, by key. The forked ranks find their job here (fork copies this
@@ -74,7 +75,7 @@ class _Plan:
     simulated: bool
 
 
-def launch(fn, *args, cores=None, hang_timeout=600, start_method="fork", **kwargs):
+def launch(fn, *args, cores=None, hang_timeout=600, live="auto", start_method="fork", **kwargs):
     """Run ``fn(rank, *args, **kwargs)`` on every TPU core; return the ranks' results by rank.
 
     ``cores=None`` (or the core count) runs on all cores; ``cores=1`` runs one rank in a
@@ -83,10 +84,17 @@ def launch(fn, *args, cores=None, hang_timeout=600, start_method="fork", **kwarg
     seconds, the launch is stopped and each rank's step and Python stack reported
     (``None``: wait forever). Everything that would break the launch is refused before
     any process starts.
+
+    ``live`` is what the notebook shows meanwhile: ``"auto"`` draws a live figure (values
+    given to ``tpunb.log``, samples/s, compilations) under a progress line where the
+    notebook draws widgets, and prints a line each epoch elsewhere (nbval, a script);
+    ``"widgets"`` and ``"text"`` choose, ``False`` shows nothing. Both end with the
+    figure of the whole run.
     """
     _check_start_method(start_method)
     _check_callable(fn, args, kwargs)
     _check_hang_timeout(hang_timeout)
+    view = live_view.resolve(live)
     plan = _plan(cores)
     _warn_about_worker_processes(plan, args, kwargs)
     key = next(_job_keys)
@@ -96,7 +104,7 @@ def launch(fn, *args, cores=None, hang_timeout=600, start_method="fork", **kwarg
     try:
         stacks = _progress.stacks_on_signal() if hang_timeout else contextlib.nullcontext()
         with _without_spawn_breaking_variables(), _hooks.installed(), stacks as stacks:
-            return _Supervisor(plan, key, hang_timeout, stacks).run()
+            return _Supervisor(plan, key, hang_timeout, stacks, view).run()
     finally:
         _jobs.pop(key).progress.close()
 
@@ -274,6 +282,7 @@ def _rank_main(key, rank):
         except BaseException as error:  # noqa: BLE001 - everything goes back to the notebook
             # The traceback starts in the user's function, not in this wrapper.
             remote = traceback.format_exception(type(error), error, error.__traceback__.tb_next)
+            recorder.flush_finished_steps()  # the history up to the error, for the plots
             job.channel.send(("raised", rank, _describe(error), "".join(remote)))
             return
         try:
@@ -352,7 +361,7 @@ class _Supervisor:
     """Starts the ranks in a background thread and watches them from the calling thread,
     which stays free to stop everything on the first failure or on an interrupt."""
 
-    def __init__(self, plan, key, hang_timeout, stacks):
+    def __init__(self, plan, key, hang_timeout, stacks, view):
         self.plan = plan
         self.key = key
         self.hang_timeout = hang_timeout
@@ -368,6 +377,8 @@ class _Supervisor:
         self.spawn_error = None
         self.history = history.History(plan.cores)
         self.compile_watch = compile_watch.CompileWatch(plan.cores)
+        self.view_mode = view
+        self.view = None
 
     def run(self):
         spawn = _spawn_one_core if self.plan.cores == 1 else _spawn_all_cores
@@ -375,6 +386,8 @@ class _Supervisor:
             target=self._spawn, args=(spawn,), name="tpunb-spawn", daemon=True
         )
         with _processes.recording_children(spawner) as self.processes:
+            view = live_view.view(self.view_mode, self.history, self.compile_watch)
+            self.view = live_view.guarded(view)
             self.channel.start()
             spawner.start()
             try:
@@ -389,6 +402,7 @@ class _Supervisor:
                 spawner.join(5)
                 self.channel.finish()
                 self._read_inbox()
+                self.view.close(failed=not self._succeeded())
         try:
             return self._outcome()
         finally:
@@ -414,6 +428,7 @@ class _Supervisor:
                 self._handle(self.channel.inbox.get(timeout=max(0, next_check - time.monotonic())))
             except queue.Empty:
                 pass
+            self.view.update()
             if time.monotonic() >= next_check:  # on the clock, however busy the inbox
                 self._check_for_hang()
                 next_check = time.monotonic() + 0.1
@@ -468,6 +483,13 @@ class _Supervisor:
         steps = {rank: self.progress.step(rank) for rank in running}
         self.hang = (running, steps, stacks, idle, self.hang_timeout)
         self._stop()
+
+    def _succeeded(self):
+        return (
+            self.hang is None
+            and not self.failures
+            and all(rank in self.results for rank in range(self.plan.cores))
+        )
 
     def _outcome(self):
         # Errors are built in the raise: one kept in self or in a local would sit in a

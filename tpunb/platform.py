@@ -36,6 +36,21 @@ def in_kernel():
     return getattr(shell, "kernel", None) is not None
 
 
+def draws_widgets():
+    """True in a kernel whose front end most likely draws ipywidgets as they change: Colab,
+    an interactive Kaggle session, a kernel started by a Jupyter server (JupyterLab,
+    Notebook, Binder: it sets JPY_SESSION_NAME) or by VS Code. False where notebooks run
+    headless (nbval, nbclient, papermill, Kaggle's "Save & Run All")."""
+    if not in_kernel():
+        return False
+    where = name()
+    if where == "colab":
+        return True
+    if where == "kaggle":
+        return os.environ.get("KAGGLE_KERNEL_RUN_TYPE") == "Interactive"
+    return "JPY_SESSION_NAME" in os.environ or "VSCODE_PID" in os.environ
+
+
 def runtime_started():
     """True when the XLA runtime runs in this process (it cannot without torch_xla
     imported, so torch_xla is never imported to find out)."""

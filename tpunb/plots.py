@@ -3,10 +3,14 @@ total, and compilations per step. matplotlib is imported only when a figure is d
 
 from tpunb.errors import TpunbError
 
+STEP = "step (one a torch_xla.sync, epoch ends included)"
 
-def history_figure(history, width=10.0, panel_height=2.6):
+
+def history_figure(history, width=10.0, panel_height=2.6, fixed_layout=False):
     """A matplotlib Figure with one panel per logged value, one for throughput (when the
-    loader's batches were recorded) and one for compilations per step."""
+    loader's batches were recorded) and one for compilations per step. ``fixed_layout``
+    sets margins instead of computing them: the figure draws in half the time (live
+    frames)."""
     try:
         from matplotlib.figure import Figure
     except ImportError:
@@ -25,12 +29,31 @@ def history_figure(history, width=10.0, panel_height=2.6):
             "no compilations."
         )
     # Figure, not pyplot: no global state, no GUI backend, and it renders in notebooks.
-    figure = Figure(figsize=(width, panel_height * len(panels)), layout="constrained")
+    height = panel_height * len(panels)
+    figure = Figure(figsize=(width, height), layout=None if fixed_layout else "constrained")
     axes = figure.subplots(len(panels), 1, squeeze=False)[:, 0]
+    if fixed_layout:  # inches: room for the legend, tick labels, titles, the twin axis
+        figure.subplots_adjust(
+            left=0.8 / width,
+            right=1 - 0.8 / width,
+            top=1 - 0.65 / height,
+            bottom=0.5 / height,
+            hspace=0.85 / (panel_height - 0.85),
+        )
     for ax, (name, draw) in zip(axes, panels, strict=True):
         draw(ax, history, name)
         ax.grid(alpha=0.3)
+    _core_legend(figure, history.ranks, "upper center" if fixed_layout else "outside upper center")
     return figure
+
+
+def _core_legend(figure, ranks, where):
+    """One legend for the whole figure, above the panels: the cores' colours."""
+    from matplotlib.lines import Line2D
+
+    handles = [Line2D([], [], color=color, lw=2) for color in _core_colors(ranks)]
+    labels = [f"core {rank}" for rank in range(ranks)]
+    figure.legend(handles, labels, loc=where, ncol=min(8, ranks), frameon=False)
 
 
 def _core_colors(ranks):
@@ -44,25 +67,29 @@ def _draw_values(ax, history, name):
     colors = _core_colors(history.ranks)
     for rank, (steps, values) in history.values(name).items():
         ax.plot(steps, values, color=colors[rank], lw=1.2, label=f"core {rank}")
-    ax.set(title=f"{name} per core", xlabel="step", ylabel=name)
-    ax.legend(ncol=min(8, history.ranks), fontsize="small", loc="upper right")
+    ax.set(title=f"{name} per core", xlabel=STEP, ylabel=name)
 
 
 def _draw_throughput(ax, history, _name):
     colors = _core_colors(history.ranks)
     for rank in range(history.ranks):
-        ax.plot(*history.samples_per_second(rank), color=colors[rank], lw=0.8, alpha=0.6)
+        ax.plot(*history.samples_per_second(rank), color=colors[rank], lw=0.8, alpha=0.7)
     ax.plot(*history.samples_per_second(), color="black", lw=1.6, label="all cores")
-    ax.legend(fontsize="small", loc="upper right")
     ax.set(
-        title="samples/s (thin: each core; black: all cores)", xlabel="seconds", ylabel="samples/s"
+        title="samples/s (thin: each core; black: all cores)",
+        xlabel=STEP,
+        ylabel="samples/s",
+        ylim=(0, None),
     )
 
 
 def _draw_compiles(ax, history, _name):
     steps, counts, seconds = zip(*history.compiles_per_step(), strict=True)
-    ax.bar(steps, counts, color="tab:red", width=0.8)
-    ax.set(title="new compilations per step (all processes)", xlabel="step", ylabel="graphs")
+    compiled = [(step, count) for step, count in zip(steps, counts, strict=True) if count]
+    if compiled:  # one bar a step that compiled: a few patches, however long the run
+        width = max(0.8, steps[-1] / 150)  # visible however many steps
+        ax.bar(*zip(*compiled, strict=True), color="tab:red", width=width)
+    ax.set(title="new compilations per step (all processes)", xlabel=STEP, ylabel="graphs")
     twin = ax.twinx()
     total = 0.0
     cumulative = []

@@ -1,0 +1,217 @@
+"""The live view: values logged in the ranks reach the notebook exactly, without a sync or
+a transfer a step; text lines where no front end draws widgets; widgets and the final
+figure from a real kernel; redraws at a bounded rate however fast the steps come."""
+
+import base64
+import io
+import re
+import time
+
+import nbformat
+import pytest
+import torch
+from nbclient import NotebookClient
+from torch.utils.data import DataLoader, TensorDataset
+
+import tpunb
+from tpunb import live
+from tpunb._steps import Step
+
+EPOCHS, BATCHES = 3, 5  # a core's batches an epoch
+DATA = TensorDataset(torch.arange(8 * BATCHES * 4, dtype=torch.float32)[:, None])
+
+
+def _counting_steps(rank, loader, log, pause=0.0):
+    """Logs a device tensor and a Python number each batch, both known in advance."""
+    import torch_xla
+    import torch_xla.debug.metrics as met
+
+    sharded = tpunb.shard(loader)
+    start = time.monotonic()
+    executions, transfers = met.counter_value("ExecuteComputation") or 0, _transfers(met)
+    kept = []  # computed and kept whether logged or not: only the logging differs
+    for _ in range(EPOCHS):
+        for batch, (x,) in enumerate(sharded):
+            kept.append(x.sum() + rank * 1000)
+            time.sleep(pause)
+            if log:
+                tpunb.log(device_value=kept[-1], host_value=float(batch))
+    torch_xla.sync()
+    return (
+        (met.counter_value("ExecuteComputation") or 0) - executions,
+        _transfers(met) - transfers,
+        time.monotonic() - start,
+    )
+
+
+def _transfers(met):
+    data = met.metric_data("TransferFromDeviceTime")
+    return data[0] if data else 0
+
+
+def _loader():
+    return DataLoader(DATA, batch_size=4)
+
+
+def test_every_logged_value_of_every_rank_reaches_the_history_exactly(cores8):
+    results = tpunb.launch(_counting_steps, _loader(), True, live=False)
+    history = results.history
+    assert history.names() == ["device_value", "host_value"]
+    for rank in range(8):
+        steps, values = history.values("device_value")[rank]
+        # Unshuffled, rank r reads samples r, r + 8, ... (each sample is its index).
+        mine = list(range(rank, len(DATA), 8))
+        sums = [rank * 1000 + sum(mine[4 * b : 4 * b + 4]) for b in range(BATCHES)]
+        assert values == sums * EPOCHS
+        assert history.values("host_value")[rank][1] == [b for _ in range(EPOCHS) for b in range(5)]
+        assert len(steps) == EPOCHS * BATCHES == len(set(steps))
+        # Progress through the loader: epoch, batch in the epoch, batches an epoch.
+        batches = [(s.epoch, s.epoch_batch, s.epoch_batches) for s in history.steps[rank]]
+        for epoch in range(EPOCHS):
+            assert [b for e, b, _ in batches if e == epoch][-1] == BATCHES
+        assert {n for _, _, n in batches if n is not None} == {BATCHES}
+
+
+def test_logging_device_tensors_adds_no_execution_and_no_transfer_a_step(cores8):
+    # One rank in its process (cores=1): torch_xla's counters are the rank's own.
+    # 120 steps in about 2.4 s: several flushes while the function runs.
+    quiet = tpunb.launch(_counting_steps, _loader(), False, 0.02, cores=1, live=False)
+    logged = tpunb.launch(_counting_steps, _loader(), True, 0.02, cores=1, live=False)
+    [(quiet_executions, quiet_transfers, _)] = quiet
+    [(executions, transfers, seconds)] = logged
+    steps = EPOCHS * len(_loader())
+    assert executions == quiet_executions >= steps  # the same graphs run, logging or not
+    # The values come back in a transfer a flush (at most one every FLUSH_SECONDS, and
+    # the last), not one a step.
+    flushes = seconds / tpunb._steps.FLUSH_SECONDS + 2
+    assert 2 <= transfers - quiet_transfers <= flushes < steps / 10
+
+
+def test_without_a_widget_front_end_a_line_an_epoch_then_a_last_line(cores8, capsys):
+    tpunb.launch(_counting_steps, _loader(), True)  # live="auto", not in a kernel: text
+    lines = capsys.readouterr().out.splitlines()
+    # The mean over the cores of their last batch's value: rank r's last batch holds
+    # samples r + 128, r + 136, r + 144 and r + 152.
+    mean = sum(1000 * r + 4 * r + 560 for r in range(8)) / 8
+    assert lines[:EPOCHS] == [
+        f"epoch {e + 1}: {BATCHES} batches a core, device_value {mean:.4g}, host_value 4"
+        for e in range(EPOCHS)
+    ]
+    [last] = lines[EPOCHS:]
+    assert last.startswith(f"done: epoch {EPOCHS}, batch {BATCHES}/{BATCHES}, device_value ")
+    assert "samples/s" in last and "compilations" in last
+
+
+def test_a_failed_launch_says_where_it_stopped(cores8, capsys):
+    def fails_in_epoch_2(rank, loader):
+        for epoch in range(EPOCHS):
+            for (x,) in tpunb.shard(loader):
+                tpunb.log(x=x.sum())
+            if epoch == 1 and rank == 5:
+                raise ValueError("rank 5 broke")
+
+    with pytest.raises(tpunb.RankError, match="rank 5 broke"):
+        tpunb.launch(fails_in_epoch_2, _loader(), live="text")
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[-1].startswith("stopped: epoch ")
+    assert lines[0].startswith("epoch 1: 5 batches a core")
+
+
+def test_live_options_are_checked_before_any_fork(cores8):
+    with pytest.raises(tpunb.TpunbError, match="'auto', 'widgets', 'text', 'off'"):
+        tpunb.launch(_counting_steps, _loader(), True, live="sometimes")
+    with pytest.raises(tpunb.TpunbError, match="not a notebook kernel.*live='text'"):
+        tpunb.launch(_counting_steps, _loader(), True, live="widgets")
+    assert live.resolve(False) == live.resolve(None) == "off"
+    assert live.resolve(True) == live.resolve("auto") == "text"  # pytest is no kernel
+
+
+def _fast_steps(history, step):
+    for rank in range(history.ranks):
+        history.add(rank, [Step(step, step * 0.001, {"loss": 1 / (step + 1)}, [[(8, 4)]], 8)])
+
+
+def test_widgets_redraw_at_a_bounded_rate_however_fast_the_steps_come():
+    history = tpunb.History(8)
+    watch = tpunb.compile_watch.CompileWatch(8)
+    view = live.view("widgets", history, watch)  # outside a kernel the widgets draw nowhere
+    start = time.monotonic()
+    step = 0
+    while time.monotonic() - start < 3.0:
+        _fast_steps(history, step)
+        step += 1
+        view.update()
+    assert step > 1000  # steps far faster than any redraw
+    assert 1 <= view.figures <= 3 / live.FIGURE_SECONDS + 1
+    assert bytes(view.image.value[:4]) == b"\x89PNG"
+    assert view.lines <= 3 / live.PROGRESS_SECONDS + 1
+    shown = int(re.search(r"step (\d+)", view.line.value)[1])
+    assert 0 < shown <= step and "loss" in view.line.value
+
+
+NOTEBOOK = [
+    (
+        "import time, torch, tpunb\n"
+        "from torch.utils.data import DataLoader, TensorDataset\n"
+        "tpunb.simulate(cores=8)\n"
+        "loader = DataLoader(TensorDataset(torch.randn(8 * 160, 4)), batch_size=4)"
+    ),
+    (
+        "def train(rank, loader):\n"
+        "    for epoch in range(2):\n"
+        "        for (x,) in tpunb.shard(loader):\n"
+        "            time.sleep(0.075)\n"  # 6 s in all: several live frames
+        "            tpunb.log(loss=x.square().mean())\n"
+        "    return rank"
+    ),
+    "print(tpunb.launch(train, loader))",
+    "print(tpunb.launch(train, loader, live='widgets'))",
+]
+
+
+class _FrameCountingClient(NotebookClient):
+    """nbclient as the kernel's front end, counting the PNG frames sent to image widgets."""
+
+    frames = 0
+
+    def handle_comm_msg(self, outs, msg, cell_index):
+        paths = msg["content"]["data"].get("buffer_paths", [])
+        self.frames += ["value"] in paths and msg["msg_type"] == "comm_msg"
+        super().handle_comm_msg(outs, msg, cell_index)
+
+
+def test_from_a_real_kernel_text_or_widgets_then_the_final_figure(tmp_path, monkeypatch):
+    # The kernel of nbclient (and nbval) has no front end: "auto" is text there.
+    monkeypatch.delenv("JPY_SESSION_NAME", raising=False)
+    monkeypatch.delenv("VSCODE_PID", raising=False)
+    notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in NOTEBOOK])
+    client = _FrameCountingClient(
+        notebook,
+        timeout=300,
+        kernel_name="python3",
+        resources={"metadata": {"path": str(tmp_path)}},
+    )
+    client.execute()
+    text, widgets = notebook.cells[2], notebook.cells[3]
+
+    lines = "".join(o.text for o in text.outputs if o.output_type == "stream").splitlines()
+    assert [line.split(",")[0] for line in lines] == [
+        "epoch 1: 40 batches a core",
+        "epoch 2: 40 batches a core",
+        "done: epoch 2",
+        "[0",
+    ]
+    # Live frames went to the image widget while the launch ran (6 s, a frame a second
+    # at most), then the widgets' output was replaced by the last line.
+    assert 2 <= client.frames <= 7
+    assert widgets.outputs[0].data["text/html"].startswith("<b>done</b>: epoch 2, batch 40/40")
+    # Each run ends with its figure, drawn headless (Agg): loss, samples/s, compilations.
+    for cell in (text, widgets):
+        [png] = [o.data["image/png"] for o in cell.outputs if "image/png" in o.get("data", {})]
+        image = base64.b64decode(png)
+        assert image[:4] == b"\x89PNG" and _png_size(image) == (900, round(3 * 2.6 * 90))
+
+
+def _png_size(image):
+    header = io.BytesIO(image[16:24]).read()
+    return int.from_bytes(header[:4], "big"), int.from_bytes(header[4:], "big")
