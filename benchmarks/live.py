@@ -3,7 +3,7 @@
 The same training (3 epochs of the shared workload) is timed inside the ranks, seconds
 a step after the warm-up, in a real Jupyter kernel (nbclient acting as the front end):
 
-- off: no tpunb.log, live=False;
+- off: the same values computed and kept in a list, no tpunb.log, live=False;
 - text: tpunb.log(loss=..., accuracy=...) every step, live="text" (a line an epoch);
 - widgets: the same logging, live="widgets" (progress line and live figure).
 
@@ -39,7 +39,7 @@ def train(rank, log, epochs=3, warmup=5):
     model = copy.deepcopy(MODEL).to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     sharded = tpunb.shard(loader)
-    steps, start = 0, None
+    steps, start, kept = 0, None, []
     for _ in range(epochs):
         for x, y in sharded:
             if steps == warmup:
@@ -50,8 +50,11 @@ def train(rank, log, epochs=3, warmup=5):
             loss.backward()
             xm.optimizer_step(optimizer)
             optimizer.zero_grad()
+            accuracy = (logits.argmax(1) == y).float().mean()
             if log:
-                tpunb.log(loss=loss, accuracy=(logits.argmax(1) == y).float().mean())
+                tpunb.log(loss=loss, accuracy=accuracy)
+            else:  # the same values computed and kept, as a notebook without tpunb would
+                kept.append((loss.detach(), accuracy))
             steps += 1
     xm.wait_device_ops()
     return (time.perf_counter() - start) / (steps - warmup)

@@ -181,7 +181,8 @@ def _scalar(name, value):
                 f"tpunb.log({name}=...) got a tensor of shape {tuple(value.shape)}; it takes "
                 "one number a name. Reduce it first, e.g. loss.mean() or acc.sum()."
             )
-        return value.detach().reshape(())
+        value = value.detach()
+        return value if value.dim() == 0 else value.reshape(())  # no new op when 0-dim
     return float(value)
 
 

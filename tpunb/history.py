@@ -34,9 +34,12 @@ class History:
 
     def __init__(self, ranks):
         self.steps = {rank: [] for rank in range(ranks)}
+        self._names = {}  # logged names in the order first seen, kept as steps arrive
 
     def add(self, rank, steps):
         self.steps[rank].extend(steps)
+        for step in steps:
+            self._names.update(dict.fromkeys(step.values))
 
     @property
     def ranks(self):
@@ -44,11 +47,7 @@ class History:
 
     def names(self):
         """The names given to ``tpunb.log``, in the order first seen."""
-        seen = {}
-        for steps in self.steps.values():
-            for step in steps:
-                seen.update(dict.fromkeys(step.values))
-        return list(seen)
+        return list(self._names)
 
     def values(self, name):
         """{rank: ([step, ...], [value, ...])} for the steps where ``name`` was logged."""
@@ -105,7 +104,7 @@ class History:
         for row in saved["rows"]:
             rank = row.pop("rank")
             row["shapes"] = [[tuple(shape) for shape in batch] for batch in row["shapes"]]
-            history.steps[rank].append(Step(**row))
+            history.add(rank, [Step(**row)])
         return history
 
     def plot(self, **figure_options):

@@ -19,7 +19,7 @@ from tpunb.errors import TpunbError, TpunbWarning
 MODES = ("auto", "widgets", "text", "off")
 PROGRESS_SECONDS = 0.5  # widgets: the progress line is redrawn at most this often
 FIGURE_SECONDS = 1.0  # widgets: the figure is redrawn at most this often, and less often
-FIGURE_SHARE = 0.1  # when drawing it would take more than this share of the time
+FIGURE_SHARE = 0.05  # when drawing it would take more than this share of the time
 TEXT_SECONDS = 60  # text: a line at each epoch's end, and after this long without one
 NO_WIDGETS = (
     "The live view needs the Jupyter widgets extension in this front end (pip install "
