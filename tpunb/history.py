@@ -111,7 +111,7 @@ class History:
         """A matplotlib figure of the run: logged values per core, samples/s, compilations."""
         from tpunb import plots
 
-        return plots.history_figure(self, **figure_options)
+        return plots.shown_in_notebooks(plots.history_figure(self, **figure_options))
 
     def __repr__(self):
         counts = {len(steps) for steps in self.steps.values()}

@@ -470,7 +470,7 @@ class _Supervisor:
 
     def _warn(self, messages):
         for message in messages:
-            warnings.warn(message, TpunbWarning, stacklevel=2)
+            warnings.warn(message, TpunbWarning, stacklevel=_outside_tpunb())
 
     def _check_for_hang(self):
         if self.hang_timeout is None or self.stopping:
@@ -536,6 +536,15 @@ class _Supervisor:
             ranks=missing,
             signal=signals[0] if signals else None,
         )
+
+
+def _outside_tpunb():
+    """The ``stacklevel`` that shows a warning at the user's line calling tpunb (the
+    launch), not inside tpunb."""
+    frame, level = sys._getframe(1), 1  # stacklevel 1: the function calling warnings.warn
+    while frame is not None and frame.f_globals.get("__name__", "").startswith("tpunb"):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def _hang_error(running, steps, stacks, idle, hang_timeout):

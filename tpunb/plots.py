@@ -47,6 +47,25 @@ def history_figure(history, width=10.0, panel_height=2.6, fixed_layout=False):
     return figure
 
 
+def shown_in_notebooks(figure):
+    """``figure``, drawn as an image when a notebook displays it. IPython draws
+    matplotlib figures only once pyplot set up its inline backend; tpunb never imports
+    pyplot (global state), so it registers the drawing for Figure itself."""
+    from tpunb import platform
+
+    if platform.in_kernel():
+        from IPython import get_ipython
+        from IPython.core.pylabtools import print_figure
+        from matplotlib.figure import Figure
+
+        formatter = get_ipython().display_formatter.formatters["image/png"]
+        try:
+            formatter.lookup_by_type(Figure)  # pyplot's inline backend already draws them
+        except KeyError:
+            formatter.for_type(Figure, lambda shown: print_figure(shown, "png", dpi=90))
+    return figure
+
+
 def _core_legend(figure, ranks, where):
     """One legend for the whole figure, above the panels: the cores' colours."""
     from matplotlib.lines import Line2D
