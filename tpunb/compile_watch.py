@@ -68,6 +68,7 @@ class CompileWatch:
         self._reported_through = dict.fromkeys(range(ranks), -1)
         self._registered = 0  # steps before this one are complete and counted
         self._next_step = 0  # steps before this one are judged
+        self._last_step = float("inf")  # known once the launch ended
         self._registers = {}  # step -> (compiles, fallbacks, new shapes), until judged
         self._shapes = {}  # batch shape -> first step seen (ordered)
         self._batch_sizes = collections.Counter()
@@ -86,6 +87,7 @@ class CompileWatch:
 
     def finish(self):
         """Analyses the steps not every rank reached; returns their warnings."""
+        self._last_step = max(self._pending, default=self._registered - 1)
         return self._analyse(max(self._pending, default=self._registered - 1), final=True)
 
     def summary(self):
@@ -145,7 +147,11 @@ class CompileWatch:
             shaped_at = next(
                 (n for n in (number, number + 1, number - 1) if self._new_at(n)), number
             )
-            causes.append(self._compile_cause(shaped_at, compiles, self._new_at(shaped_at)))
+            cause = self._compile_cause(shaped_at, compiles, self._new_at(shaped_at))
+            # The last step holds what the function did after its loop (evaluating,
+            # gathering results): a graph of its own there is expected.
+            if cause[0] != "graph" or number < self._last_step:
+                causes.append(cause)
         warnings = []
         for key, message in causes:
             self.causes.setdefault(key, message)
