@@ -3,8 +3,10 @@ core, with the throughput each gives (and, on a TPU, the device memory it takes)
 
 import dataclasses
 import time
+import warnings
 
 from tpunb import _rendering
+from tpunb.errors import TpunbWarning
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,7 +69,14 @@ def sweep_batch_sizes(model, dataset, batch_sizes, loss_fn, *, optimizer=None, s
     from tpunb.launcher import launch
 
     sizes = sorted(batch_sizes)
-    timings = launch(_sweep_on_every_core, model, dataset, sizes, loss_fn, optimizer, steps, warmup)
+    with warnings.catch_warnings():
+        # Each size is a new batch shape on purpose: the compile watch would warn about it.
+        warnings.simplefilter("ignore", TpunbWarning)
+        timings = launch(
+            _sweep_on_every_core,
+            *(model, dataset, sizes, loss_fn, optimizer, steps, warmup),
+            live=False,
+        )
     cores = len(timings)
     rows = tuple(
         SweepRow(size, cores, max(t[i][0] for t in timings), timings[0][i][1])
