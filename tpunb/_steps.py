@@ -93,7 +93,7 @@ class Recorder:
     def _count_pass(self, device_loader):
         # Told apart by dataset: shard() builds a new DataLoader at each call, on the same
         # dataset.
-        host_loader = getattr(device_loader._loader, "_cpu_loader", None)
+        host_loader = getattr(getattr(device_loader, "_loader", None), "_cpu_loader", None)
         data = getattr(host_loader, "dataset", host_loader)
         if self._loader is None:
             self._loader = data

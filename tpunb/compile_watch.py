@@ -88,7 +88,7 @@ class CompileWatch:
     def finish(self):
         """Analyses the steps not every rank reached; returns their warnings."""
         self._last_step = max(self._pending, default=self._registered - 1)
-        return self._analyse(max(self._pending, default=self._registered - 1), final=True)
+        return self._analyse(self._last_step, final=True)
 
     def summary(self):
         return CompileSummary(

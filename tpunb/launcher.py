@@ -387,7 +387,7 @@ class _Supervisor:
         )
         with _processes.recording_children(spawner) as self.processes:
             view = live_view.view(self.view_mode, self.history, self.compile_watch)
-            self.view = live_view.guarded(view)
+            self.view = live_view.Guarded(view)
             self.channel.start()
             spawner.start()
             try:
@@ -542,7 +542,7 @@ def _outside_tpunb():
     """The ``stacklevel`` that shows a warning at the user's line calling tpunb (the
     launch), not inside tpunb."""
     frame, level = sys._getframe(1), 1  # stacklevel 1: the function calling warnings.warn
-    while frame is not None and frame.f_globals.get("__name__", "").startswith("tpunb"):
+    while frame is not None and frame.f_globals.get("__name__", "").partition(".")[0] == "tpunb":
         frame, level = frame.f_back, level + 1
     return level
 

@@ -13,7 +13,7 @@ import io
 import time
 import warnings
 
-from tpunb import platform
+from tpunb import platform, plots
 from tpunb.errors import TpunbError, TpunbWarning
 
 MODES = ("auto", "widgets", "text", "off")
@@ -25,8 +25,7 @@ NO_WIDGETS = (
     "The live view needs the Jupyter widgets extension in this front end (pip install "
     "ipywidgets where Jupyter runs, or launch(..., live='text')); the figure follows at the end."
 )
-DPI = 90  # the final figure
-LIVE_DPI = 72
+LIVE_DPI = 72  # live frames; the final figure has plots.DPI
 
 
 def resolve(live):
@@ -172,9 +171,19 @@ class _View:
             return None
         buffer = io.BytesIO()
         compression = {"compress_level": 1} if live else {}
-        figure.savefig(buffer, format="png", dpi=LIVE_DPI if live else DPI, pil_kwargs=compression)
+        figure.savefig(
+            buffer, format="png", dpi=LIVE_DPI if live else plots.DPI, pil_kwargs=compression
+        )
         self.figures += 1
         return buffer.getvalue()
+
+    @staticmethod
+    def _show_final_figure(png):
+        """Shows the PNG as a plain image output, which the saved notebook keeps."""
+        if png is not None:
+            from IPython.display import Image, display
+
+            display(Image(data=png, format="png"))
 
 
 class TextView(_View):
@@ -210,11 +219,7 @@ class TextView(_View):
         state = "stopped" if failed else "done"
         print(f"{state}: {', '.join(snapshot.parts(final=True))}", flush=True)
         if platform.in_kernel():
-            png = self._figure()
-            if png is not None:
-                from IPython.display import Image, display
-
-                display(Image(data=png, format="png"))
+            self._show_final_figure(self._figure())
 
     def _epoch_end(self, epoch):
         """The line for a finished epoch: the last value of each name on every rank."""
@@ -259,7 +264,6 @@ class WidgetView(_View):
         self._next_line = self.start
         self._next_figure = self.start + FIGURE_SECONDS
         self._drawn_steps = -1
-        self.draw_seconds = []  # how long each live figure took
         self.lines = 0  # progress lines shown
 
     def update(self):
@@ -275,11 +279,10 @@ class WidgetView(_View):
                 if png is not None:
                     self.image.value = png
                 took = self.clock() - now
-                self.draw_seconds.append(took)
                 self._next_figure = self.clock() + max(FIGURE_SECONDS, took / FIGURE_SHARE)
 
     def close(self, failed):
-        from IPython.display import HTML, Image, display
+        from IPython.display import HTML
 
         snapshot = self.snapshot()
         png = self._figure()
@@ -287,8 +290,7 @@ class WidgetView(_View):
         # The widgets' output becomes the last line: the saved notebook keeps no dead widget.
         self.handle.update(HTML(f"<b>{state}</b>: {', '.join(snapshot.parts(final=True))}"))
         self.box.close()
-        if png is not None:
-            display(Image(data=png, format="png"))
+        self._show_final_figure(png)
 
     def _show_progress(self, snapshot):
         if snapshot.epoch_batches:
@@ -298,13 +300,10 @@ class WidgetView(_View):
         self.lines += 1
 
 
-def guarded(view):
+class Guarded:
     """``view`` whose drawing errors never stop a launch: the first one is warned about
     and the view is switched off."""
-    return _Guarded(view)
 
-
-class _Guarded:
     def __init__(self, view):
         self.view = view
         self.broken = False

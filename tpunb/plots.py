@@ -1,9 +1,11 @@
 """Figures of a launch's history: each logged value per core, samples/s per core and in
 total, and compilations per step. matplotlib is imported only when a figure is drawn."""
 
+from tpunb import platform
 from tpunb.errors import TpunbError
 
 STEP = "step (one a torch_xla.sync, epoch ends included)"
+DPI = 90  # figures shown in a notebook
 
 
 def history_figure(history, width=10.0, panel_height=2.6, fixed_layout=False):
@@ -51,8 +53,6 @@ def shown_in_notebooks(figure):
     """``figure``, drawn as an image when a notebook displays it. IPython draws
     matplotlib figures only once pyplot set up its inline backend; tpunb never imports
     pyplot (global state), so it registers the drawing for Figure itself."""
-    from tpunb import platform
-
     if platform.in_kernel():
         from IPython import get_ipython
         from IPython.core.pylabtools import print_figure
@@ -62,7 +62,7 @@ def shown_in_notebooks(figure):
         try:
             formatter.lookup_by_type(Figure)  # pyplot's inline backend already draws them
         except KeyError:
-            formatter.for_type(Figure, lambda shown: print_figure(shown, "png", dpi=90))
+            formatter.for_type(Figure, lambda shown: print_figure(shown, "png", dpi=DPI))
     return figure
 
 
