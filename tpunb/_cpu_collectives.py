@@ -23,6 +23,12 @@ measurements; in short, four things must hold for a step that contains a collect
    collective's graph then starts from device data. That cut is dispatched under the
    dispatch lock too: without it, 1 run in 2 of a batch-size sweep aborted in rendezvous.
 
+5. No rank dispatches the collective while another is still in the Python work before
+   it. A rank whose collective runs holds a thread in the rendezvous, and another rank's
+   blocking call (seen after ``model.to(device)`` in PyTorch Lightning's setup) could
+   then wait for it without releasing the GIL: the other ranks never arrive. So the
+   ranks also meet on the barrier before dispatching.
+
 Plus the synchronous PJRT CPU client (``PJRT_CPU_ASYNC_CLIENT=false``, set by
 ``simulate``): with the asynchronous one, Adam's step still deadlocked in buffer release.
 
@@ -79,6 +85,7 @@ def install():
     # xm.all_reduce's default path is the C++ op torch.ops._c10d_functional.all_reduce.
     xm.all_reduce = _marking(xm.all_reduce)
     xm._all_gather_using_all_reduce = _all_gather_using_all_reduce
+    xm.collective_broadcast = _synced(xm.collective_broadcast)
     torch_xla.sync = sync
     # torch_xla.compile calls the module-level name, not the package attribute.
     torch_xla_module.sync = sync
@@ -90,9 +97,11 @@ def sync(wait=False, reset_scope=True):
         return _upstream_sync(wait=wait, reset_scope=reset_scope)
     _pending.collective = False
     device = torch_xla._XLAC._xla_get_default_device()
+    barrier = _barrier()
+    barrier.wait()  # point 5 above: every rank is here before any dispatches
     with _dispatch_lock:
         torch_xla._XLAC._xla_step_marker(device, [], wait=False, reset_scope=reset_scope)
-    _barrier().wait()
+    barrier.wait()
     if xu.getenv_as("XLA_SYNC_WAIT", bool, wait):
         xm.wait_device_ops()
     # The rest of upstream torch_xla.sync, in its order.
@@ -124,6 +133,26 @@ def _run_pending_work():
         torch_xla._XLAC._xla_step_marker(
             torch_xla._XLAC._xla_get_default_device(), [], wait=False, reset_scope=True
         )
+
+
+def _synced(collective):
+    """A collective followed by ``sync``, for the callers that read its result at once.
+
+    PyTorch Lightning's ``XLAStrategy.broadcast`` (used for the log directory before
+    training) reads the broadcast tensor with ``.cpu()`` right after
+    ``xm.collective_broadcast``. That read executes the graph from C++, outside ``sync``
+    above: the ranks compile it concurrently, each under its own module id, and the
+    all-reduce waits for ranks that never come (see "Limits" in docs/simulation.md). Ending
+    the step inside the broadcast gives the same values, computed through ``sync``.
+    """
+
+    @functools.wraps(collective)
+    def synced(*args, **kwargs):
+        result = collective(*args, **kwargs)
+        sync()
+        return result
+
+    return synced
 
 
 def _all_gather_using_all_reduce(value, dim=0, groups=None, pin_layout=True):

@@ -34,6 +34,8 @@ class Step:
     epoch: int | None = None
     epoch_batch: int | None = None
     epoch_batches: int | None = None
+    # A step of a framework's own setup or teardown (Lightning's), not of training.
+    framework: bool = False
 
 
 class Recorder:
@@ -53,6 +55,7 @@ class Recorder:
         self._unsent = []  # finished steps, device values not yet read back
         self._last_flush = time.monotonic()
         self._counters = _CompileCounters() if reports_compiles else None
+        self.in_framework = False  # set by tpunb.lightning outside Lightning's training
 
     def log(self, values):
         for name, value in values.items():
@@ -79,6 +82,7 @@ class Recorder:
             epoch=self._epoch,
             epoch_batch=self._epoch_batch,
             epoch_batches=self._epoch_batches,
+            framework=self.in_framework,
         )
         if self._counters is not None:
             record.compiles, record.cached, record.compile_seconds, record.fallbacks = (
@@ -89,6 +93,13 @@ class Recorder:
         self._values, self._shapes, self._samples = {}, [], 0
         if time.monotonic() - self._last_flush >= FLUSH_SECONDS:
             self.flush()
+
+    def training_data(self, dataset):
+        """Names the training loader's dataset, when another loader may be read first
+        (Lightning's sanity check reads the validation loader)."""
+        if dataset is not self._loader:
+            self._loader, self._pass = dataset, None
+            self._epoch = self._epoch_batch = self._epoch_batches = None
 
     def _count_pass(self, device_loader):
         # Told apart by dataset: shard() builds a new DataLoader at each call, on the same

@@ -64,6 +64,7 @@ class CompileWatch:
     def __init__(self, ranks, warmup_steps=WARMUP_STEPS):
         self.ranks = ranks
         self.warmup_steps = warmup_steps
+        self._warmup_end = warmup_steps  # later after a framework's own steps
         self._pending = collections.defaultdict(dict)  # step -> {rank: Step}
         self._reported_through = dict.fromkeys(range(ranks), -1)
         self._registered = 0  # steps before this one are complete and counted
@@ -116,10 +117,12 @@ class CompileWatch:
         return warnings
 
     def _register(self, number, by_rank):
+        if any(s.framework for s in by_rank.values()):
+            self._warmup_end = max(self._warmup_end, number + 1 + self.warmup_steps)
         reports = [s for s in by_rank.values() if s.compiles is not None]
         compiles = sum(s.compiles for s in reports)
         self.compiles += compiles
-        if number < self.warmup_steps:
+        if number < self._warmup_end:
             self.warmup_compiles += compiles
         self.compile_seconds += sum(s.compile_seconds for s in reports)
         fallbacks = collections.Counter()
@@ -139,7 +142,7 @@ class CompileWatch:
     def _judge(self, number):
         compiles, fallbacks, new = self._registers[number]
         self._registers.pop(number - 1, None)  # kept until now as a neighbour
-        if number < self.warmup_steps:
+        if number < self._warmup_end:
             return []
         causes = [(f"fallback {op}", self._fallback_message(number, op)) for op in fallbacks]
         if compiles:
@@ -162,7 +165,7 @@ class CompileWatch:
 
     def _new_at(self, number):
         register = self._registers.get(number)
-        return register[2] if register and number >= self.warmup_steps else []
+        return register[2] if register and number >= self._warmup_end else []
 
     def _compile_cause(self, number, compiles, new):
         graphs = _rendering.count(compiles, "new graph")

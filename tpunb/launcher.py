@@ -28,6 +28,7 @@ from tpunb import (
     compile_watch,
     hardware,
     history,
+    migration,
     platform,
     simulation,
 )
@@ -97,14 +98,24 @@ def launch(fn, *args, cores=None, hang_timeout=600, live="auto", start_method="f
     view = live_view.resolve(live)
     plan = _plan(cores)
     _warn_about_worker_processes(plan, args, kwargs)
+    spawn = _spawn_one_core if plan.cores == 1 else _spawn_all_cores
+    return supervise(plan, spawn, hang_timeout, view, fn, args, kwargs)
+
+
+def supervise(plan, spawn, hang_timeout, view, fn=None, args=(), kwargs=None):
+    """Runs ``spawn(key)`` in a background thread and watches the ranks it starts from
+    this one: their steps (history, compile watch, live view), hangs and failures.
+
+    ``spawn`` must start ``plan.cores`` ranks that each call ``_rank_main(key, rank)``
+    (which runs ``fn(rank, *args, **kwargs)``) or ``_rank_main(key, rank, run)``.
+    """
     key = next(_job_keys)
-    _jobs[key] = _Job(
-        fn, args, kwargs, plan.cores, _channel.Channel(), _progress.Progress(plan.cores)
-    )
+    progress = _progress.Progress(plan.cores)
+    _jobs[key] = _Job(fn, args, kwargs or {}, plan.cores, _channel.Channel(), progress)
     try:
         stacks = _progress.stacks_on_signal() if hang_timeout else contextlib.nullcontext()
         with _without_spawn_breaking_variables(), _hooks.installed(), stacks as stacks:
-            return _Supervisor(plan, key, hang_timeout, stacks, view).run()
+            return _Supervisor(plan, key, spawn, hang_timeout, stacks, view).run()
     finally:
         _jobs.pop(key).progress.close()
 
@@ -267,21 +278,26 @@ def _run_one_core(key):
     xmp.spawn(functools.partial(_rank_main, key), nprocs=1)
 
 
-def _rank_main(key, rank):
-    """Runs in every rank (a thread of a forked process): the user's function, then its
-    result or its error back to the parent."""
+def _rank_main(key, rank, run=None):
+    """Runs in every rank (a thread of a forked process): the user's function (or
+    ``run(rank)``), then its result or its error back to the parent."""
     job = _jobs[key]
+    if run is None:
+        run = functools.partial(_call_user_function, job)
     job.progress.enter(rank)
     reports_compiles = job.compile_reporters.setdefault(os.getpid(), rank) == rank
     recorder = _steps.Recorder(rank, job.channel, job.start, reports_compiles)
     _steps.enter(recorder)
     try:
         try:
-            result = job.fn(rank, *job.args, **job.kwargs)
+            result = run(rank)
             recorder.finish()
         except BaseException as error:  # noqa: BLE001 - everything goes back to the notebook
-            # The traceback starts in the user's function, not in this wrapper.
-            remote = traceback.format_exception(type(error), error, error.__traceback__.tb_next)
+            # The traceback starts in the user's function, not in this module.
+            frames = error.__traceback__
+            while frames is not None and frames.tb_frame.f_globals.get("__name__") == __name__:
+                frames = frames.tb_next
+            remote = traceback.format_exception(type(error), error, frames)
             recorder.flush_finished_steps()  # the history up to the error, for the plots
             job.channel.send(("raised", rank, _describe(error), "".join(remote)))
             return
@@ -304,6 +320,10 @@ def _rank_main(key, rank):
         job.progress.finish(rank)
 
 
+def _call_user_function(job, rank):
+    return job.fn(rank, *job.args, **job.kwargs)
+
+
 def _ranks_in_this_process(job):
     if job.cores == 1:
         return 1
@@ -317,6 +337,9 @@ def _describe(error):
     for symptom, explanation in _KNOWN_CAUSES:
         if symptom in str(error):
             description += f"\n\nLikely cause: {explanation}"
+    renamed = migration.hint_for_error(str(error))
+    if renamed:
+        description += f"\n\n{renamed}"
     return description
 
 
@@ -361,9 +384,10 @@ class _Supervisor:
     """Starts the ranks in a background thread and watches them from the calling thread,
     which stays free to stop everything on the first failure or on an interrupt."""
 
-    def __init__(self, plan, key, hang_timeout, stacks, view):
+    def __init__(self, plan, key, spawn, hang_timeout, stacks, view):
         self.plan = plan
         self.key = key
+        self.spawn = spawn
         self.hang_timeout = hang_timeout
         self.stacks = stacks
         self.channel = _jobs[key].channel
@@ -381,10 +405,7 @@ class _Supervisor:
         self.view = None
 
     def run(self):
-        spawn = _spawn_one_core if self.plan.cores == 1 else _spawn_all_cores
-        spawner = threading.Thread(
-            target=self._spawn, args=(spawn,), name="tpunb-spawn", daemon=True
-        )
+        spawner = threading.Thread(target=self._spawn, name="tpunb-spawn", daemon=True)
         with _processes.recording_children(spawner) as self.processes:
             view = live_view.view(self.view_mode, self.history, self.compile_watch)
             self.view = live_view.Guarded(view)
@@ -410,9 +431,9 @@ class _Supervisor:
             # let go of the processes, and so of their pipes, now that their exit is read.
             self.processes.clear()
 
-    def _spawn(self, spawn):
+    def _spawn(self):
         try:
-            spawn(self.key)
+            self.spawn(self.key)
         except BaseException as error:  # noqa: BLE001 - reported by _outcome
             self.spawn_error = f"{type(error).__name__}: {error}"
             # Its traceback holds the process pool's frames, and they its pipes, in a

@@ -43,9 +43,10 @@ def simulate(cores=8):
     os.environ["XLA_THREAD_POOL_SIZE"] = str(pool_size)
     os.environ["PJRT_CPU_ASYNC_CLIENT"] = "false"
 
-    from tpunb import _cpu_collectives
+    from tpunb import _cpu_collectives, _lightning_simulation
 
     _cpu_collectives.install()
+    _lightning_simulation.install(cores)
     _simulated_cores = cores
 
     from tpunb.environment import env

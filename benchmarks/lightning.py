@@ -1,0 +1,135 @@
+"""PyTorch Lightning against tpunb.launch, on 8 simulated cores, in the same run.
+
+The same training (the shared workload, SGD, the same per-core batch, 3 epochs) three ways:
+
+- launch: tpunb.launch with tpunb.shard (the baseline);
+- lightning: a plain lightning.Trainer(accelerator="tpu", devices=8);
+- tpunb.lightning: tpunb.lightning.trainer(...) (Lightning watched by tpunb, live="text").
+
+Printed as ratios to the baseline: seconds an epoch after the first (timed in rank 0,
+compilation done), and the whole call (fork, setup, teardown included). A comparison
+to report, not a target. Sides alternate so drift on the machine hits all alike;
+figures are medians over the repeats.
+Run: python benchmarks/lightning.py [--repeats N]
+"""
+
+import argparse
+import copy
+import pathlib
+import statistics
+import sys
+import tempfile
+import time
+
+import lightning
+import torch
+from torch.utils.data import DataLoader
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from workload import BATCH, DATASET, MODEL  # noqa: E402
+
+import tpunb  # noqa: E402
+import tpunb.lightning  # noqa: E402
+
+EPOCHS = 3
+
+
+def _train(rank, loader):
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+
+    model = copy.deepcopy(MODEL).to(torch_xla.device())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    sharded = tpunb.shard(loader)
+    epochs = []
+    for _ in range(EPOCHS):
+        start = time.perf_counter()
+        for x, y in sharded:
+            optimizer.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            xm.optimizer_step(optimizer)
+        xm.wait_device_ops()
+        epochs.append(time.perf_counter() - start)
+    return epochs
+
+
+def run_launch(loader):
+    return tpunb.launch(_train, loader, live=False)[0]
+
+
+class Classifier(lightning.LightningModule):
+    """The same model and step; records rank 0's epoch times (Lightning pickles the module
+    into the ranks, so it lives at module level)."""
+
+    def __init__(self, record):
+        super().__init__()
+        self.model = copy.deepcopy(MODEL)
+        self.record = record
+        self.epochs, self.start = [], None
+
+    def training_step(self, batch, batch_index):
+        x, y = batch
+        return torch.nn.functional.cross_entropy(self.model(x), y)
+
+    def on_train_epoch_start(self):
+        self.start = time.perf_counter()
+
+    def on_train_epoch_end(self):
+        import torch_xla.core.xla_model as xm
+
+        xm.wait_device_ops()
+        self.epochs.append(time.perf_counter() - self.start)
+        if self.global_rank == 0:
+            pathlib.Path(self.record).write_text(" ".join(map(str, self.epochs)))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+def run_lightning(loader, watched):
+    with tempfile.TemporaryDirectory() as root:
+        module = Classifier(record=f"{root}/epochs.txt")
+        arguments = dict(
+            max_epochs=EPOCHS,
+            logger=False,
+            enable_checkpointing=False,
+            enable_model_summary=False,
+            enable_progress_bar=False,
+            default_root_dir=root,
+        )
+        if watched:
+            trainer = tpunb.lightning.trainer(live="text", **arguments)
+        else:
+            trainer = lightning.Trainer(accelerator="tpu", devices=8, **arguments)
+        trainer.fit(module, loader)
+        return [float(s) for s in pathlib.Path(module.record).read_text().split()]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    repeats = parser.parse_args().repeats
+    tpunb.simulate(cores=8)
+    loader = DataLoader(DATASET, batch_size=BATCH)
+    sides = {
+        "launch": lambda: run_launch(loader),
+        "lightning": lambda: run_lightning(loader, watched=False),
+        "tpunb.lightning": lambda: run_lightning(loader, watched=True),
+    }
+    epoch, total = {name: [] for name in sides}, {name: [] for name in sides}
+    for _ in range(repeats):
+        for name, run in sides.items():
+            start = time.perf_counter()
+            epochs = run()
+            total[name].append(time.perf_counter() - start)
+            epoch[name].append(statistics.median(epochs[1:]))
+    base_epoch, base_total = statistics.median(epoch["launch"]), statistics.median(total["launch"])
+    print(f"\n8 simulated cores, {len(DATASET)} samples, per-core batch {BATCH}, {EPOCHS} epochs")
+    print(f"{'side':<16} {'s/epoch':>8} {'ratio':>6} {'whole call s':>13} {'ratio':>6}")
+    for name in sides:
+        e, t = statistics.median(epoch[name]), statistics.median(total[name])
+        print(f"{name:<16} {e:8.3f} {e / base_epoch:6.2f} {t:13.2f} {t / base_total:6.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,174 @@
+"""PyTorch Lightning on every TPU core from a notebook, with tpunb's live view.
+
+    import tpunb.lightning
+    live = tpunb.lightning.LiveCallback()
+    trainer = tpunb.lightning.trainer(max_epochs=3, callbacks=[live])
+    trainer.fit(model, loader)        # Lightning's own XLA strategy, fork launcher, sampler
+    live.history.plot()               # per rank, per step: loss, samples/s, compilations
+
+``trainer(...)`` builds a ``lightning.Trainer(accelerator="tpu", devices="auto", ...)``
+whose launcher is Lightning's XLA launcher watched by tpunb: the notebook shows the live
+view while the cores train, a failing rank stops the others with its traceback, and a
+hang is reported instead of waiting forever. A plain ``Trainer(accelerator="tpu",
+devices=8)`` works too (on simulated cores as well, after ``tpunb.simulate``), without
+the view. Requires the ``lightning`` package (``pip install lightning``, which keeps the
+installed torch).
+"""
+
+import importlib.util
+
+from tpunb import _lightning_simulation, _steps, launcher, migration
+from tpunb import live as live_view
+from tpunb.errors import TpunbError
+
+if importlib.util.find_spec("lightning") is None:
+    raise TpunbError(
+        "tpunb.lightning needs PyTorch Lightning 2: pip install lightning (it keeps the "
+        "torch and torch_xla already installed), then restart the kernel."
+    )
+
+import lightning.pytorch as pl  # noqa: E402
+from lightning.pytorch.strategies.launchers.xla import _XLALauncher  # noqa: E402
+from lightning.pytorch.trainer.states import TrainerFn  # noqa: E402
+
+# Metrics logged with self.log(...) whose names start so are not training metrics.
+NOT_TRAINING = ("val", "test", "predict")
+
+
+class LiveCallback(pl.Callback):
+    """Feeds tpunb from a Lightning run: each training step's loss and the training
+    metrics logged with ``self.log`` go to ``tpunb.log``, and the training loader's
+    batches, compilations and samples/s to the history and the compile watch.
+
+    Use it in a trainer built by ``tpunb.lightning.trainer(...)``. After ``fit``,
+    ``history`` (a ``tpunb.History``) and ``compiles`` (a ``tpunb.CompileSummary``) hold
+    the run, as a launch's results do.
+    """
+
+    def __init__(self):
+        self.history = None
+        self.compiles = None
+
+    def setup(self, trainer, pl_module, stage):
+        recorder = _steps.current()
+        if recorder is None:
+            raise TpunbError(
+                "tpunb.lightning.LiveCallback runs in a trainer built by "
+                "tpunb.lightning.trainer(...), whose launcher sends the steps to the "
+                "notebook. Build the trainer with it: tpunb.lightning.trainer(max_epochs=..., "
+                "callbacks=[...])."
+            )
+        # Lightning syncs several times (barriers, broadcasts) before the first batch and
+        # after the last: the compile watch counts those steps in the warm-up.
+        recorder.in_framework = True
+
+    def on_train_start(self, trainer, pl_module):
+        # Lightning's sanity check reads the validation loader first: name the training one.
+        loader = trainer.train_dataloader
+        host = getattr(loader, "_loader", loader)  # the DataLoader in the MpDeviceLoader
+        recorder = _steps.current()
+        recorder.training_data(getattr(host, "dataset", host))
+        recorder.in_framework = False
+
+    def on_train_end(self, trainer, pl_module):
+        _steps.current().in_framework = True
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        values = {}
+        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+        if loss is not None:
+            values["loss"] = loss
+        for name, value in trainer.callback_metrics.items():
+            if name.startswith(NOT_TRAINING) or name.endswith("_epoch") or name in values:
+                continue
+            if getattr(value, "numel", lambda: 1)() == 1:
+                values[name.removesuffix("_step")] = value
+        if values:
+            _steps.log(**values)
+
+
+def trainer(*, live="auto", hang_timeout=600, **trainer_arguments):
+    """A ``lightning.Trainer`` on every TPU core (or every simulated one), watched by tpunb.
+
+    ``trainer_arguments`` go to ``lightning.Trainer``; ``accelerator`` defaults to
+    ``"tpu"``, ``devices`` to ``"auto"`` (every core) and ``enable_progress_bar`` to False
+    (the live view shows the progress). A ``LiveCallback`` is added unless one is in
+    ``callbacks``. ``live`` and ``hang_timeout`` are ``tpunb.launch``'s. Everything that
+    would break the run is refused here, before any fork.
+    """
+    outdated = migration.trainer_argument_error(trainer_arguments)
+    if outdated:
+        raise TpunbError(outdated)
+    mode = live_view.resolve(live)
+    launcher._check_hang_timeout(hang_timeout)
+    plan = launcher._plan(None)
+    trainer_arguments.setdefault("accelerator", "tpu")
+    trainer_arguments.setdefault("devices", "auto")
+    trainer_arguments.setdefault("enable_progress_bar", False)
+    devices = trainer_arguments["devices"]
+    if devices not in ("auto", -1, "-1", plan.cores, str(plan.cores)):
+        raise TpunbError(
+            f"tpunb.lightning.trainer(devices={devices!r}) runs on all {plan.cores} cores "
+            "through Lightning's XLA launcher. Leave devices out (or 'auto'). A single core "
+            "would run in this kernel's process and start the XLA runtime here, which no "
+            "later launch could undo."
+        )
+    callbacks = list(trainer_arguments.pop("callbacks", None) or [])
+    if not any(isinstance(callback, LiveCallback) for callback in callbacks):
+        callbacks.append(LiveCallback())
+    built = pl.Trainer(callbacks=callbacks, **trainer_arguments)
+    strategy = built.strategy
+    if not isinstance(strategy.launcher, _XLALauncher):
+        raise TpunbError(
+            f"tpunb.lightning.trainer runs through Lightning's XLA launcher; these arguments "
+            f"gave {type(strategy).__name__}. Leave strategy out (Lightning then uses 'xla')."
+        )
+    strategy._launcher = _WatchedXLALauncher(strategy, plan, mode, hang_timeout)
+    return built
+
+
+class _WatchedXLALauncher(_XLALauncher):
+    """Lightning's XLA launcher (xmp.spawn, fork), run by ``tpunb.launcher.supervise``:
+    its ranks report their steps to the notebook, which draws the live view, stops every
+    rank at the first failure and reports hangs."""
+
+    def __init__(self, strategy, plan, mode, hang_timeout):
+        super().__init__(strategy)
+        self._plan = plan
+        self._mode = mode
+        self._hang_timeout = hang_timeout
+        self._key = None
+
+    def launch(self, function, *args, trainer=None, **kwargs):
+        if self._already_fit and trainer is not None and trainer.state.fn == TrainerFn.FITTING:
+            raise TpunbError(
+                "This trainer has already run fit(), and Lightning's fork launcher cannot fit "
+                "the same Trainer twice "
+                "(https://github.com/Lightning-AI/pytorch-lightning/issues/18775). Build a new "
+                "one with tpunb.lightning.trainer(...) and call its fit(): the model keeps the "
+                "weights trained so far, so training continues from them."
+            )
+        launcher._check_runtime_not_started()
+        returned = []
+
+        def spawn(key):
+            self._key = key  # pickled with this launcher into every rank
+            returned.append(_XLALauncher.launch(self, function, *args, trainer=trainer, **kwargs))
+
+        results = launcher.supervise(self._plan, spawn, self._hang_timeout, self._mode)
+        callbacks = trainer.callbacks if trainer is not None else []
+        for callback in callbacks:
+            if isinstance(callback, LiveCallback):
+                callback.history, callback.compiles = results.history, results.compiles
+        return returned[0]
+
+    def _wrapping_function(self, process_idx, *arguments):
+        def run(rank):
+            return _XLALauncher._wrapping_function(self, rank, *arguments)
+
+        launcher._rank_main(self._key, process_idx, run)
+
+    def _collect_rank_zero_results(self, trainer, results):
+        return _lightning_simulation.trained_weights_back(
+            _XLALauncher._collect_rank_zero_results, self, trainer, results
+        )
