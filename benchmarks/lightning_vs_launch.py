@@ -10,7 +10,7 @@ Printed as ratios to the baseline: seconds an epoch after the first (timed in ra
 compilation done), and the whole call (fork, setup, teardown included). A comparison
 to report, not a target. Sides alternate so drift on the machine hits all alike;
 figures are medians over the repeats.
-Run: python benchmarks/lightning.py [--repeats N]
+Run: python benchmarks/lightning_vs_launch.py [--repeats N]
 """
 
 import argparse
