@@ -274,3 +274,58 @@ def test_a_compilation_read_a_step_early_is_still_blamed_on_its_new_shape(lag):
     assert "short last batch" in message
     summary = watch.summary()
     assert (summary.compiles, summary.compiles_after_warmup, summary.steps) == (4, 1, 10)
+
+
+def _framework_run(last_batch=8, graph_change_at=None):
+    """Rank 0's and rank 1's records of a Lightning-like run: 2 setup steps of the
+    framework's own between 2 of the notebook's, then 2 epochs of 4 batches with two
+    syncs a batch (its loader's, which hands out the batch, and its optimizer step's),
+    each epoch's last step the framework's epoch end, then a teardown step. Epoch e,
+    batch b starts at step 4 + 8e + 2(b - 1)."""
+    from tpunb._steps import Step
+
+    rows = [(None, None, False, None)] + [(None, None, True, None)] * 2
+    rows += [(None, None, False, None)]
+    for epoch in range(2):
+        for batch in range(1, 5):
+            size = last_batch if batch == 4 else 8
+            rows += [(epoch, batch, False, size), (epoch, batch, batch == 4, None)]
+    rows += [(1, 4, True, None)]
+    compiles = {0: 2, 1: 1, 4: 2, 6: 1, 11: 3, 12: 1}  # warm-up, second batch, epoch end
+    if last_batch != 8:
+        compiles[10] = 1  # the short last batch
+    if graph_change_at is not None:
+        compiles[graph_change_at] = 1
+    watch = tpunb.compile_watch.CompileWatch(ranks=2)
+    messages = []
+    for step, (epoch, batch, framework, size) in enumerate(rows):
+        for rank in (0, 1):
+            counters = {"compiles": compiles.get(step, 0), "compile_seconds": 0.1, "fallbacks": {}}
+            record = Step(
+                step,
+                0.0,
+                {},
+                [[(size, 16)]] if size else [],
+                size or 0,
+                epoch=epoch,
+                epoch_batch=batch,
+                epoch_batches=4,
+                framework=framework,
+                **(counters if rank == 0 else {}),
+            )
+            messages += watch.add(rank, [record])
+    return messages + watch.finish()
+
+
+def test_a_frameworks_own_steps_and_its_second_batch_are_not_blamed_on_the_notebook():
+    assert _framework_run() == []
+
+
+def test_after_a_frameworks_warm_up_a_changed_graph_is_still_named():
+    [message] = _framework_run(graph_change_at=9)  # epoch 0, batch 3's second sync
+    assert message.startswith("step 9 compiled 1 new graph with batch shapes seen before")
+
+
+def test_a_short_last_batch_before_a_frameworks_epoch_end_is_still_named():
+    messages = _framework_run(last_batch=5)
+    assert len(messages) == 1 and "short last batch" in messages[0]

@@ -11,6 +11,9 @@ from tpunb import _rendering
 # Steps whose compilations are expected: the sync before the first batch, the first
 # training step, and the second, where optimizers such as Adam add their state.
 WARMUP_STEPS = 3
+# The same counted in batches of the training loader, for loops that sync more than once
+# a batch (PyTorch Lightning syncs after the optimizer step and again in its loader).
+WARMUP_BATCHES = 2
 
 # Why an op runs on the CPU, for the ops training code triggers most.
 _FALLBACK_CAUSES = {
@@ -64,7 +67,8 @@ class CompileWatch:
     def __init__(self, ranks, warmup_steps=WARMUP_STEPS):
         self.ranks = ranks
         self.warmup_steps = warmup_steps
-        self._warmup_end = warmup_steps  # later after a framework's own steps
+        self._warmup_end = warmup_steps  # later after a framework's setup steps
+        self._training_started = False  # has the training loader handed out a batch?
         self._pending = collections.defaultdict(dict)  # step -> {rank: Step}
         self._reported_through = dict.fromkeys(range(ranks), -1)
         self._registered = 0  # steps before this one are complete and counted
@@ -117,8 +121,12 @@ class CompileWatch:
         return warnings
 
     def _register(self, number, by_rank):
-        if any(s.framework for s in by_rank.values()):
+        framework = any(s.framework for s in by_rank.values())
+        if framework and not self._training_started:
             self._warmup_end = max(self._warmup_end, number + 1 + self.warmup_steps)
+        if any(s.epoch == 0 and (s.epoch_batch or 0) <= WARMUP_BATCHES for s in by_rank.values()):
+            self._warmup_end = max(self._warmup_end, number + 1)
+        self._training_started |= any(s.epoch is not None for s in by_rank.values())
         reports = [s for s in by_rank.values() if s.compiles is not None]
         compiles = sum(s.compiles for s in reports)
         self.compiles += compiles
@@ -137,12 +145,18 @@ class CompileWatch:
                     self._shapes[key] = number
                     new.append(key)
                 self._batch_sizes[key[0][0] if key[0] else 1] += 1
-        self._registers[number] = compiles, fallbacks, new
+        self._registers[number] = compiles, fallbacks, new, framework
 
     def _judge(self, number):
-        compiles, fallbacks, new = self._registers[number]
+        warnings = self._warnings_at(number)
         self._registers.pop(number - 1, None)  # kept until now as a neighbour
-        if number < self._warmup_end:
+        return warnings
+
+    def _warnings_at(self, number):
+        compiles, fallbacks, new, framework = self._registers[number]
+        # A framework's own steps (Lightning's epoch ends, validation, teardown) compile
+        # their graphs once, in code the notebook does not control.
+        if number < self._warmup_end or framework:
             return []
         causes = [(f"fallback {op}", self._fallback_message(number, op)) for op in fallbacks]
         if compiles:
@@ -151,9 +165,15 @@ class CompileWatch:
                 (n for n in (number, number + 1, number - 1) if self._new_at(n)), number
             )
             cause = self._compile_cause(shaped_at, compiles, self._new_at(shaped_at))
-            # The last step holds what the function did after its loop (evaluating,
-            # gathering results): a graph of its own there is expected.
-            if cause[0] != "graph" or number < self._last_step:
+            # Expected graphs of their own: the work after the function's loop (evaluating,
+            # gathering results) in the last step, and a framework step's work read a step
+            # early or run in the step after it.
+            expected = (
+                number == self._last_step
+                or self._framework_at(number + 1)
+                or self._framework_at(number - 1)
+            )
+            if cause[0] != "graph" or not expected:
                 causes.append(cause)
         warnings = []
         for key, message in causes:
@@ -162,6 +182,10 @@ class CompileWatch:
                 self._warned.add(key)
                 warnings.append(message)
         return warnings
+
+    def _framework_at(self, number):
+        register = self._registers.get(number)
+        return register is not None and register[3]
 
     def _new_at(self, number):
         register = self._registers.get(number)

@@ -70,6 +70,17 @@ class LiveCallback(pl.Callback):
         recorder.training_data(getattr(host, "dataset", host))
         recorder.in_framework = False
 
+    # Lightning's own steps between the batches (validation, the end of an epoch) and
+    # after the last: the compile watch expects them to compile once and does not judge them.
+    def on_validation_start(self, trainer, pl_module):
+        _steps.current().in_framework = True
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        _steps.current().in_framework = True
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        _steps.current().in_framework = False
+
     def on_train_end(self, trainer, pl_module):
         _steps.current().in_framework = True
 
