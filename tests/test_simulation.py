@@ -2,6 +2,7 @@ import pytest
 from conftest import run_python
 
 import tpunb
+from tpunb._fallback_counters import PRIMED_OPS
 
 
 @pytest.mark.parametrize("cores", [0, -8, "8", 2.0, True])
@@ -89,6 +90,22 @@ def test_syncs_on_one_rank_only_do_not_block_collectives(cores8):
     assert all(weights == results[0][0] for weights, _ in results)
     assert results[0][0] == pytest.approx([1 - 3 * 0.01 * 28] * 4)
     assert [evaluations for _, evaluations in results] == [6] + [0] * 7
+
+
+def _fallback_counters_at_the_start(rank):
+    import torch_xla.debug.metrics as met
+
+    counters = {op: met.counter_value(op) for op in PRIMED_OPS}
+    return counters, met.counter_value("UncachedCompile") or 0
+
+
+@pytest.mark.parametrize("cores", [8, 1])
+def test_ranks_that_are_threads_start_with_the_fallback_counters_created(cores8, cores):
+    # torch_xla creates them without a lock: threads creating one at once crashed the
+    # process (SIGSEGV), see tpunb/_fallback_counters.py.
+    results = tpunb.launch(_fallback_counters_at_the_start, cores=cores, live=False)
+    created = 1 if cores > 1 else None  # a process of one rank needs none
+    assert results == [(dict.fromkeys(PRIMED_OPS, created), 0)] * cores
 
 
 def test_simulation_is_refused_on_a_machine_with_a_tpu(monkeypatch):

@@ -21,6 +21,7 @@ import warnings
 
 from tpunb import (
     _channel,
+    _fallback_counters,
     _hooks,
     _processes,
     _progress,
@@ -113,6 +114,7 @@ def supervise(plan, spawn, hang_timeout, view, fn=None, args=(), kwargs=None):
     progress = _progress.Progress(plan.cores)
     _jobs[key] = _Job(fn, args, kwargs or {}, plan.cores, _channel.Channel(), progress)
     try:
+        _fallback_counters.install()  # ranks that are threads fall back together
         stacks = _progress.stacks_on_signal() if hang_timeout else contextlib.nullcontext()
         with _without_spawn_breaking_variables(), _hooks.installed(), stacks as stacks:
             return _Supervisor(plan, key, spawn, hang_timeout, stacks, view).run()

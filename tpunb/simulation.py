@@ -43,9 +43,10 @@ def simulate(cores=8):
     os.environ["XLA_THREAD_POOL_SIZE"] = str(pool_size)
     os.environ["PJRT_CPU_ASYNC_CLIENT"] = "false"
 
-    from tpunb import _cpu_collectives, _lightning_simulation
+    from tpunb import _cpu_collectives, _fallback_counters, _lightning_simulation
 
     _cpu_collectives.install()
+    _fallback_counters.install()  # also for plain xmp.spawn and Lightning's launcher
     _lightning_simulation.install(cores)
     _simulated_cores = cores
 
