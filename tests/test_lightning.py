@@ -55,6 +55,10 @@ class Regression(lightning.LightningModule):
         self.log("mse", loss)
         return loss
 
+    def validation_step(self, batch, batch_index):
+        indices, inputs, targets = batch
+        self.log("val_mse", torch.nn.functional.mse_loss(self.network(inputs), targets))
+
     def on_train_end(self):
         if self.seen_dir is not None:
             (self.seen_dir / f"rank{self.global_rank}.txt").write_text(
@@ -134,9 +138,10 @@ def test_the_live_callback_feeds_history_compile_watch_and_text_view(cores8, tmp
     trainer = tpunb.lightning.trainer(
         max_epochs=2, callbacks=[live], live="text", **_quiet(tmp_path)
     )
+    validation = DataLoader(Indexed(), batch_size=2 * BATCH)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        trainer.fit(model, DataLoader(Indexed(), batch_size=BATCH))
+        trainer.fit(model, DataLoader(Indexed(), batch_size=BATCH), validation)
 
     history = live.history
     assert history.ranks == CORES
@@ -144,8 +149,9 @@ def test_the_live_callback_feeds_history_compile_watch_and_text_view(cores8, tmp
     assert [s.epoch_batch for s in training] == list(range(1, SAMPLES // CORES // BATCH + 1))
     assert all(s.epoch_batches == SAMPLES // CORES // BATCH for s in training)
     assert all(s.values["loss"] == pytest.approx(s.values["mse"]) for s in training)
-    # Lightning's setup, its second batch and its epoch ends compile: none of that is the
-    # notebook's doing, so the watch counts it and warns about nothing.
+    assert not any("val_mse" in s.values for s in history.steps[0])  # training metrics only
+    # Lightning's setup, its second batch, its validation and its epoch ends compile:
+    # none of that is the notebook's doing, so the watch counts it and warns about nothing.
     assert live.compiles.compiles > 0
     assert live.compiles.causes == []
     assert [w for w in caught if issubclass(w.category, tpunb.TpunbWarning)] == []
