@@ -33,6 +33,11 @@ _FALLBACK_CAUSES = {
 }
 
 
+# What a step did, all ranks together: compilations, CPU fallbacks (op -> times), batch
+# shapes seen for the first time, and whether it was a framework's own step.
+_Register = collections.namedtuple("_Register", "compiles fallbacks new framework")
+
+
 @dataclasses.dataclass(frozen=True, repr=False)
 class CompileSummary(_rendering.Report):
     """Compilations of a launch (all processes together) and what caused them."""
@@ -74,7 +79,7 @@ class CompileWatch:
         self._registered = 0  # steps before this one are complete and counted
         self._next_step = 0  # steps before this one are judged
         self._last_step = float("inf")  # known once the launch ended
-        self._registers = {}  # step -> (compiles, fallbacks, new shapes), until judged
+        self._registers = {}  # step -> _Register, until judged
         self._shapes = {}  # batch shape -> first step seen (ordered)
         self._batch_sizes = collections.Counter()
         self._warned = set()
@@ -145,7 +150,7 @@ class CompileWatch:
                     self._shapes[key] = number
                     new.append(key)
                 self._batch_sizes[key[0][0] if key[0] else 1] += 1
-        self._registers[number] = compiles, fallbacks, new, framework
+        self._registers[number] = _Register(compiles, fallbacks, new, framework)
 
     def _judge(self, number):
         warnings = self._warnings_at(number)
@@ -185,11 +190,11 @@ class CompileWatch:
 
     def _framework_at(self, number):
         register = self._registers.get(number)
-        return register is not None and register[3]
+        return register is not None and register.framework
 
     def _new_at(self, number):
         register = self._registers.get(number)
-        return register[2] if register and number >= self._warmup_end else []
+        return register.new if register and number >= self._warmup_end else []
 
     def _compile_cause(self, number, compiles, new):
         graphs = _rendering.count(compiles, "new graph")

@@ -30,23 +30,17 @@ def hint_for_error(text):
                 f"xm.{old}() comes from an older torch_xla tutorial; it was removed. "
                 f"Write {new} instead (import torch_xla.runtime as xr)."
             )
-    for old, new in TRAINER_RENAMES.items():
+    for old in TRAINER_RENAMES:
         if f"unexpected keyword argument '{old}'" in text:
-            return (
-                f"Trainer({old}=...) is PyTorch Lightning 1.x; Lightning 2 spells it "
-                f"Trainer({new.format(value=8)})."
-            )
+            return _old_trainer_argument(old, "...", 8)  # the value is not in the message
     return None
 
 
 def trainer_argument_error(kwargs):
     """What is wrong with old-style ``Trainer`` arguments in ``kwargs``, or None."""
-    for old, new in TRAINER_RENAMES.items():
+    for old in TRAINER_RENAMES:
         if old in kwargs:
-            return (
-                f"Trainer({old}={kwargs[old]!r}) is PyTorch Lightning 1.x; Lightning 2 spells "
-                f"it Trainer({new.format(value=kwargs[old])})."
-            )
+            return _old_trainer_argument(old, repr(kwargs[old]), kwargs[old])
     strategy = kwargs.get("strategy")
     if isinstance(strategy, str) and strategy in TRAINER_STRATEGY_RENAMES:
         return (
@@ -55,3 +49,10 @@ def trainer_argument_error(kwargs):
             'accelerator="tpu", so it can be left out).'
         )
     return None
+
+
+def _old_trainer_argument(old, written, value):
+    new = TRAINER_RENAMES[old].format(value=value)
+    return (
+        f"Trainer({old}={written}) is PyTorch Lightning 1.x; Lightning 2 spells it Trainer({new})."
+    )
