@@ -250,7 +250,7 @@ def test_the_history_keeps_every_logged_value_and_survives_a_round_trip(
 
 
 def _record(step, batch, compiles=None):
-    from tpunb._steps import Step
+    from tpunb.launcher.messages import Step
 
     counters = {} if compiles is None else {"compiles": compiles, "compile_seconds": 0.1}
     return Step(step, 0.0, {}, [[(batch, 16)]], batch, fallbacks={}, **counters)
@@ -282,7 +282,7 @@ def _framework_run(last_batch=8, graph_change_at=None):
     syncs a batch (its loader's, which hands out the batch, and its optimizer step's),
     each epoch's last step the framework's epoch end, then a teardown step. Epoch e,
     batch b starts at step 4 + 8e + 2(b - 1)."""
-    from tpunb._steps import Step
+    from tpunb.launcher.messages import Step
 
     rows = [(None, None, False, None)] + [(None, None, True, None)] * 2
     rows += [(None, None, False, None)]

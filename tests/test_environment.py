@@ -5,6 +5,7 @@ from conftest import run_python
 
 import tpunb
 from tpunb import hardware, platform
+from tpunb.cores import Layout
 from tpunb.environment import Environment
 
 
@@ -42,7 +43,8 @@ def test_tpu_generation_cores_and_launch_layout_come_from_pci(
     else:
         monkeypatch.delenv("TPU_ACCELERATOR_TYPE", raising=False)
     tpu = hardware.detect(_fake_pci(tmp_path, *[device_id] * chips))
-    report = Environment("colab", tpu, None, "3.11", "2.9.0", "2.9.0", False, ())
+    found = Layout(cores=tpu.cores, processes=tpu.chips, tpu=tpu)
+    report = Environment("colab", found, "3.11", "2.9.0", "2.9.0", False, ())
     assert (tpu.accelerator_type, report.cores) == (name, cores)
     assert (report.processes, report.threads_per_process) == layout
 

@@ -15,7 +15,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import tpunb
 from tpunb import live
-from tpunb._steps import Step
+from tpunb.launcher import recorder
+from tpunb.launcher.messages import Step
 
 EPOCHS, BATCHES = 3, 5  # a core's batches an epoch
 DATA = TensorDataset(torch.arange(8 * BATCHES * 4, dtype=torch.float32)[:, None])
@@ -83,7 +84,7 @@ def test_logging_device_tensors_adds_no_execution_and_no_transfer_a_step(cores8)
     assert executions == quiet_executions >= steps  # the same graphs run, logging or not
     # The values come back in a transfer a flush (at most one every FLUSH_SECONDS, and
     # the last), not one a step.
-    flushes = seconds / tpunb._steps.FLUSH_SECONDS + 2
+    flushes = seconds / recorder.FLUSH_SECONDS + 2
     assert 2 <= transfers - quiet_transfers <= flushes < steps / 10
 
 

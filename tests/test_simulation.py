@@ -2,7 +2,7 @@ import pytest
 from conftest import run_python
 
 import tpunb
-from tpunb._fallback_counters import PRIMED_OPS
+from tpunb.launcher.fallback_counters import PRIMED_OPS
 
 
 @pytest.mark.parametrize("cores", [0, -8, "8", 2.0, True])

@@ -11,7 +11,6 @@ Importing tpunb imports neither torch_xla nor any plotting library and leaves
 
 __version__ = "0.1.0"
 
-from tpunb._steps import log
 from tpunb.batches import (
     batch_report,
     global_batch_size,
@@ -25,6 +24,7 @@ from tpunb.errors import RankError, TpunbError, TpunbWarning
 from tpunb.graph_limit import limit_graphs
 from tpunb.history import History
 from tpunb.launcher import LaunchResults, launch
+from tpunb.metrics import log
 from tpunb.sampling import shard
 from tpunb.simulation import simulate
 from tpunb.sweep import sweep_batch_sizes

@@ -7,7 +7,8 @@ import dataclasses
 import math
 import weakref
 
-from tpunb import _rendering
+from tpunb import cores as core_layout
+from tpunb import reports
 from tpunb.errors import TpunbError
 
 # TPU matrix units work on 8 x 128 tiles: a per-core batch that is a multiple of 8 fills them.
@@ -18,7 +19,7 @@ _reported = weakref.WeakKeyDictionary()
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
-class BatchReport(_rendering.Report):
+class BatchReport(reports.Report):
     """What one epoch of a DataLoader looks like when split across ``cores`` cores."""
 
     samples: int
@@ -70,7 +71,7 @@ class BatchReport(_rendering.Report):
                 f"padding. Try batch_size={better}."
             )
         if self.last_batch and not self.drop_last:
-            last = _rendering.count(self.last_batch, "sample")
+            last = reports.count(self.last_batch, "sample")
             yield (
                 f"The last batch of every epoch has {last}, not {batch}: a "
                 "shape XLA has not seen, so it compiles another graph for it. Pass "
@@ -80,7 +81,7 @@ class BatchReport(_rendering.Report):
             )
         if self.previous and self.previous[0] != self.cores:
             cores, global_batch = self.previous
-            before, now = _rendering.count(cores, "core"), _rendering.count(self.cores, "core")
+            before, now = reports.count(cores, "core"), reports.count(self.cores, "core")
             yield (
                 f"The global batch changed from {global_batch} ({before}) to "
                 f"{self.global_batch} ({now}) with the same per-core batch. Keep "
@@ -91,13 +92,13 @@ class BatchReport(_rendering.Report):
             )
 
     def _rows(self):
-        cores = _rendering.count(self.cores, "core")
+        cores = reports.count(self.cores, "core")
         steps = f"{self.steps_per_epoch}"
         if self.last_batch:
             steps += (
-                f" (last batch dropped: {_rendering.count(self.last_batch, 'sample')} a core)"
+                f" (last batch dropped: {reports.count(self.last_batch, 'sample')} a core)"
                 if self.drop_last
-                else f" (the last one of {_rendering.count(self.last_batch, 'sample')})"
+                else f" (the last one of {reports.count(self.last_batch, 'sample')})"
             )
         return [
             ("samples", str(self.samples)),
@@ -106,8 +107,8 @@ class BatchReport(_rendering.Report):
             ("global batch", f"{self.global_batch} ({self.per_core_batch} x {cores})"),
             ("samples per core", f"{self.samples_per_core} an epoch"),
             ("steps per epoch", steps),
-            ("padded by the sampler", f"{_rendering.count(self.padded, 'sample')} repeated"),
-            ("dropped by drop_last", f"{_rendering.count(self.dropped, 'sample')} an epoch"),
+            ("padded by the sampler", f"{reports.count(self.padded, 'sample')} repeated"),
+            ("dropped by drop_last", f"{reports.count(self.dropped, 'sample')} an epoch"),
         ]
 
     def _content(self):
@@ -119,7 +120,7 @@ def batch_report(loader, cores=None):
     machine's TPU cores, or the simulated ones): global batch, steps, padding, warnings."""
     if loader.batch_size is None:
         raise TpunbError("batch_report needs a DataLoader built with batch_size=...")
-    cores = _cores(cores)
+    cores = core_layout.count(cores)
     report = BatchReport(
         samples=len(loader.dataset),
         cores=cores,
@@ -133,12 +134,12 @@ def batch_report(loader, cores=None):
 
 def global_batch_size(per_core, cores=None):
     """The batch the optimizer sees: ``per_core`` samples on each of ``cores`` cores."""
-    return per_core * _cores(cores)
+    return per_core * core_layout.count(cores)
 
 
 def per_core_batch_size(global_batch, cores=None):
     """The DataLoader batch size that gives ``global_batch`` on ``cores`` cores."""
-    cores = _cores(cores)
+    cores = core_layout.count(cores)
     if global_batch % cores:
         raise TpunbError(
             f"A global batch of {global_batch} does not split evenly over {cores} cores; "
@@ -152,18 +153,3 @@ def scale_learning_rate(lr, from_batch, to_batch):
     global batch grows k times, so does the learning rate. A starting point, best with a
     warm-up; adaptive optimizers (Adam) often want less than linear."""
     return lr * to_batch / from_batch
-
-
-def _cores(cores):
-    if cores is not None:
-        if isinstance(cores, bool) or not isinstance(cores, int) or cores < 1:
-            raise TpunbError(f"cores={cores!r}: give a positive number of cores, e.g. 8.")
-        return cores
-    from tpunb.environment import env
-
-    found = env().cores
-    if not found:
-        raise TpunbError(
-            "No TPU cores here to count: pass cores=..., or call tpunb.simulate(cores=8) first."
-        )
-    return found

@@ -5,7 +5,7 @@ short last batch to the full batch size."""
 import bisect
 import random
 
-from tpunb.errors import TpunbError
+from tpunb.errors import TpunbError, check_count
 
 
 def choose_buckets(lengths, count=4, batch_size=None):
@@ -17,8 +17,7 @@ def choose_buckets(lengths, count=4, batch_size=None):
     lengths = [int(n) for n in lengths]
     if not lengths:
         raise TpunbError("choose_buckets(lengths) needs the dataset's sequence lengths.")
-    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
-        raise TpunbError(f"choose_buckets(count={count!r}): give a number of buckets, e.g. 4.")
+    check_count(count, "choose_buckets(lengths, count=...)", "buckets", 4)
     if batch_size:
         shuffled = random.Random(0).sample(lengths, len(lengths))
         lengths = [max(shuffled[i : i + batch_size]) for i in range(0, len(lengths), batch_size)]

@@ -6,7 +6,7 @@ the warm-up, and summed up at the end."""
 import collections
 import dataclasses
 
-from tpunb import _rendering
+from tpunb import reports
 
 # Steps whose compilations are expected: the sync before the first batch, the first
 # training step, and the second, where optimizers such as Adam add their state.
@@ -39,7 +39,7 @@ _Register = collections.namedtuple("_Register", "compiles fallbacks new framewor
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
-class CompileSummary(_rendering.Report):
+class CompileSummary(reports.Report):
     """Compilations of a launch (all processes together) and what caused them."""
 
     compiles: int
@@ -197,7 +197,7 @@ class CompileWatch:
         return register.new if register and number >= self._warmup_end else []
 
     def _compile_cause(self, number, compiles, new):
-        graphs = _rendering.count(compiles, "new graph")
+        graphs = reports.count(compiles, "new graph")
         if not new:
             return "graph", (
                 f"step {number} compiled {graphs} with batch shapes seen before: the graph "
@@ -216,7 +216,7 @@ class CompileWatch:
             )
         return "shapes", (
             f"step {number} compiled {graphs}: batch shape {_format(new[0])} not seen before; "
-            f"{_rendering.count(len(self._shapes), 'distinct shape')} so far. Every new shape "
+            f"{reports.count(len(self._shapes), 'distinct shape')} so far. Every new shape "
             "is a new graph to compile. Pad to buckets: DataLoader(..., collate_fn="
             "tpunb.BucketCollate(tpunb.choose_buckets(lengths, 4, batch_size=...))) gives at "
             "most 4 shapes."

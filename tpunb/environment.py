@@ -2,19 +2,17 @@
 would go wrong, with the fix. Never starts the XLA runtime and never uses the network."""
 
 import dataclasses
-import importlib.metadata
 import sys
 
-from tpunb import _rendering, hardware, platform, simulation
+from tpunb import cores, platform, reports, versions
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
-class Environment(_rendering.Report):
+class Environment(reports.Report):
     """The environment report; shows as text in a console and as a table in a notebook."""
 
     platform: str
-    tpu: object  # hardware.Tpu or None
-    simulated_cores: object  # int or None
+    layout: object  # cores.Layout, or None without a TPU or a simulation
     python: str
     torch: object  # version string or None
     torch_xla: object  # version string or None
@@ -22,25 +20,28 @@ class Environment(_rendering.Report):
     warnings: tuple
 
     @property
+    def tpu(self):
+        """The TPU (``hardware.Tpu``), or None."""
+        return self.layout.tpu if self.layout else None
+
+    @property
+    def simulated_cores(self):
+        return self.layout.cores if self.layout and self.layout.simulated else None
+
+    @property
     def cores(self):
         """XLA devices a launch runs on: one rank per core."""
-        if self.tpu is not None:
-            return self.tpu.cores
-        return self.simulated_cores or 0
+        return self.layout.cores if self.layout else 0
 
     @property
     def processes(self):
         """Processes a launch starts: one per TPU chip; one for all simulated cores."""
-        if self.tpu is not None:
-            return self.tpu.chips
-        return 1 if self.simulated_cores else 0
+        return self.layout.processes if self.layout else 0
 
     @property
     def threads_per_process(self):
         """Ranks per process, each a thread driving one core."""
-        if self.tpu is not None:
-            return self.tpu.cores_per_chip
-        return self.simulated_cores or 0
+        return self.layout.ranks_per_process if self.layout else 0
 
     @property
     def accelerator(self):
@@ -51,17 +52,11 @@ class Environment(_rendering.Report):
         return "no TPU"
 
     def _rows(self):
-        layout = (
-            f"{self.processes} process{'es' if self.processes != 1 else ''} x "
-            f"{self.threads_per_process} thread{'s' if self.threads_per_process != 1 else ''}"
-            if self.cores
-            else "-"
-        )
         return [
             ("platform", self.platform),
             ("accelerator", self.accelerator),
             ("cores", str(self.cores)),
-            ("launch layout", layout),
+            ("launch layout", self.layout.describe() if self.layout else "-"),
             ("XLA runtime started here", "yes" if self.runtime_started else "no"),
             ("python", self.python),
             ("torch", self.torch or "not installed"),
@@ -74,14 +69,12 @@ class Environment(_rendering.Report):
 
 def env():
     """Report the platform, TPU (real or simulated), launch layout, versions and warnings."""
-    tpu = hardware.detect()
     report = Environment(
         platform=platform.name(),
-        tpu=tpu,
-        simulated_cores=simulation.simulated_cores(),
+        layout=cores.available(),
         python=sys.version.split()[0],
-        torch=_version("torch"),
-        torch_xla=_version("torch_xla"),
+        torch=versions.installed("torch"),
+        torch_xla=versions.installed("torch_xla"),
         runtime_started=platform.runtime_started(),
         warnings=(),
     )
@@ -96,21 +89,18 @@ def _warnings(report):
             "inside the launched function."
         )
     if report.torch_xla is None:
-        yield (
-            "torch_xla is not installed: pip install torch_xla[tpu] on a TPU VM, or "
-            "pip install 'tpunb[sim]' to simulate cores on the CPU."
-        )
-    elif report.torch and _minor(report.torch) != _minor(report.torch_xla):
+        yield versions.INSTALL_TORCH_XLA
+    elif report.torch and versions.minor(report.torch) != versions.minor(report.torch_xla):
         yield (
             f"torch {report.torch} and torch_xla {report.torch_xla} do not match; torch_xla is "
             f"built against one torch release: pip install torch=={report.torch_xla}."
         )
-    elif report.tpu is None and _minor(report.torch_xla) not in simulation.SUPPORTED_TORCH_XLA:
+    elif report.tpu is None and not versions.simulation_supports(report.torch_xla):
         yield (
-            f"tpunb.simulate supports torch_xla {' and '.join(simulation.SUPPORTED_TORCH_XLA)}; "
+            f"tpunb.simulate supports torch_xla {' and '.join(versions.SUPPORTED_TORCH_XLA)}; "
             f"this is {report.torch_xla}."
         )
-    if report.tpu is None and not report.simulated_cores:
+    if report.layout is None:
         yield "No TPU here: call tpunb.simulate(cores=8) to simulate 8 TPU cores on the CPU."
     if report.cores == 1:
         yield (
@@ -135,14 +125,3 @@ def _warnings(report):
             "Python 3.12+ warns that forking a multi-threaded kernel may deadlock; xmp.spawn "
             "must fork in a notebook, and the warning is expected."
         )
-
-
-def _version(distribution):
-    try:
-        return importlib.metadata.version(distribution)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
-def _minor(version):
-    return ".".join(version.split("+")[0].split(".")[:2])

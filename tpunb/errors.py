@@ -1,5 +1,5 @@
 """The errors tpunb raises: one class for the package, one for failures inside a rank,
-and one warning class."""
+and one warning class; plus the one check of a count that every call uses."""
 
 
 class TpunbError(Exception):
@@ -25,3 +25,15 @@ class RankError(TpunbError):
 
 class TpunbWarning(UserWarning):
     """Something will work, but slowly or riskily; the message says what to change."""
+
+
+def check_count(value, call, what, example):
+    """``value`` if it is a positive integer (not a bool), else a TpunbError naming the
+    call with the value in place of ``...``, e.g. ``check_count(n, "simulate(cores=...)",
+    "cores", 8)``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        written = call.replace("...", repr(value))
+        raise TpunbError(
+            f"{written}: give the number of {what} as a positive integer, e.g. {example}."
+        )
+    return value

@@ -5,8 +5,9 @@ compiling one graph after another for minutes."""
 import functools
 import typing
 
-from tpunb import _steps
-from tpunb.errors import TpunbError
+from tpunb import cores
+from tpunb.errors import TpunbError, check_count
+from tpunb.launcher import recorder
 
 _FIX = (
     "Give the step fixed shapes: pad sequences to a few lengths "
@@ -26,24 +27,16 @@ def limit_graphs(step, max_graphs):
     IsSessionActive()" on 8 simulated cores), so tpunb counts the distinct shapes and
     dtypes of the step's tensor arguments instead: the cause the limit exists for.
     """
-    if isinstance(max_graphs, bool) or not isinstance(max_graphs, int) or max_graphs < 1:
-        raise TpunbError(f"limit_graphs(step, max_graphs={max_graphs!r}): give a count, e.g. 4.")
-    if _steps.current() is None:
+    check_count(max_graphs, "limit_graphs(step, max_graphs=...)", "graphs", 4)
+    if recorder.current() is None:
         raise TpunbError(
             "limit_graphs(step, ...) wraps a step inside the function given to tpunb.launch: "
             "graphs are compiled by the ranks."
         )
     name = getattr(step, "__qualname__", repr(step))
-    if _ranks_per_process() == 1:
+    if cores.ranks_in_this_process() == 1:
         return _with_torch_xla_detector(step, max_graphs, name)
     return _by_input_shapes(step, max_graphs, name)
-
-
-def _ranks_per_process():
-    import torch_xla.core.xla_model as xm
-    import torch_xla.runtime as xr
-
-    return 1 if xr.world_size() == 1 else len(xm.get_xla_supported_devices())
 
 
 def _with_torch_xla_detector(step, max_graphs, name):

@@ -4,7 +4,7 @@ shapes, samples, compilations. Plain data, to plot again or save after the run."
 import dataclasses
 import json
 
-from tpunb._steps import Step
+from tpunb.launcher.messages import Step
 
 
 def _rates(steps, over):
@@ -29,17 +29,23 @@ def _rates(steps, over):
 
 class History:
     """``history.steps[rank]`` is the list of that rank's steps, in order (see
-    ``tpunb._steps.Step``). ``rows()`` flattens them to dicts; ``save``/``load`` keep them
-    as JSON; ``plot()`` draws loss, throughput and compilations per step."""
+    ``tpunb.launcher.messages.Step``). ``rows()`` flattens them to dicts; ``save`` and
+    ``load`` keep them as JSON; ``plot()`` draws loss, throughput and compilations per step."""
 
     def __init__(self, ranks):
         self.steps = {rank: [] for rank in range(ranks)}
         self._names = {}  # logged names in the order first seen, kept as steps arrive
+        self._last = {rank: {} for rank in range(ranks)}  # rank -> name -> last value
 
     def add(self, rank, steps):
         self.steps[rank].extend(steps)
         for step in steps:
             self._names.update(dict.fromkeys(step.values))
+            self._last[rank].update(step.values)
+
+    def last_value(self, rank, name):
+        """The last value ``rank`` logged under ``name``, however long ago; None if never."""
+        return self._last[rank].get(name)
 
     @property
     def ranks(self):

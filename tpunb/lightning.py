@@ -17,9 +17,11 @@ installed torch).
 
 import importlib.util
 
-from tpunb import _lightning_simulation, _steps, launcher, migration
 from tpunb import live as live_view
+from tpunb import metrics, migration
 from tpunb.errors import TpunbError
+from tpunb.launcher import base, preflight, rank, recorder, supervisor
+from tpunb.simulation.lightning import trained_weights_back
 
 if importlib.util.find_spec("lightning") is None:
     raise TpunbError(
@@ -50,8 +52,8 @@ class LiveCallback(pl.Callback):
         self.compiles = None
 
     def setup(self, trainer, pl_module, stage):
-        recorder = _steps.current()
-        if recorder is None:
+        steps = recorder.current()
+        if steps is None:
             raise TpunbError(
                 "tpunb.lightning.LiveCallback runs in a trainer built by "
                 "tpunb.lightning.trainer(...), whose launcher sends the steps to the "
@@ -60,29 +62,29 @@ class LiveCallback(pl.Callback):
             )
         # Lightning syncs several times (barriers, broadcasts) before the first batch and
         # after the last: the compile watch counts those steps in the warm-up.
-        recorder.in_framework = True
+        steps.framework_steps(True)
 
     def on_train_start(self, trainer, pl_module):
         # Lightning's sanity check reads the validation loader first: name the training one.
         loader = trainer.train_dataloader
         host = getattr(loader, "_loader", loader)  # the DataLoader in the MpDeviceLoader
-        recorder = _steps.current()
-        recorder.training_data(getattr(host, "dataset", host))
-        recorder.in_framework = False
+        steps = recorder.current()
+        steps.training_data(getattr(host, "dataset", host))
+        steps.framework_steps(False)
 
     # Lightning's own steps between the batches (validation, the end of an epoch) and
     # after the last: the compile watch expects them to compile once and does not judge them.
     def on_validation_start(self, trainer, pl_module):
-        _steps.current().in_framework = True
+        recorder.current().framework_steps(True)
 
     def on_train_epoch_end(self, trainer, pl_module):
-        _steps.current().in_framework = True
+        recorder.current().framework_steps(True)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        _steps.current().in_framework = False
+        recorder.current().framework_steps(False)
 
     def on_train_end(self, trainer, pl_module):
-        _steps.current().in_framework = True
+        recorder.current().framework_steps(True)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         values = {}
@@ -95,7 +97,7 @@ class LiveCallback(pl.Callback):
             if getattr(value, "numel", lambda: 1)() == 1:
                 values[name.removesuffix("_step")] = value
         if values:
-            _steps.log(**values)
+            metrics.log(**values)
 
 
 def trainer(*, live="auto", hang_timeout=600, **trainer_arguments):
@@ -111,8 +113,8 @@ def trainer(*, live="auto", hang_timeout=600, **trainer_arguments):
     if outdated:
         raise TpunbError(outdated)
     mode = live_view.resolve(live)
-    launcher._check_hang_timeout(hang_timeout)
-    plan = launcher._plan(None)
+    preflight.check_hang_timeout(hang_timeout)
+    plan = preflight.plan(None)
     trainer_arguments.setdefault("accelerator", "tpu")
     trainer_arguments.setdefault("devices", "auto")
     trainer_arguments.setdefault("enable_progress_bar", False)
@@ -139,9 +141,9 @@ def trainer(*, live="auto", hang_timeout=600, **trainer_arguments):
 
 
 class _WatchedXLALauncher(_XLALauncher):
-    """Lightning's XLA launcher (xmp.spawn, fork), run by ``tpunb.launcher.supervise``:
-    its ranks report their steps to the notebook, which draws the live view, stops every
-    rank at the first failure and reports hangs."""
+    """Lightning's XLA launcher (xmp.spawn, fork), run by tpunb's supervisor: its ranks
+    report their steps to the notebook, which draws the live view, stops every rank at the
+    first failure and reports hangs."""
 
     def __init__(self, strategy, plan, mode, hang_timeout):
         super().__init__(strategy)
@@ -159,27 +161,37 @@ class _WatchedXLALauncher(_XLALauncher):
                 "one with tpunb.lightning.trainer(...) and call its fit(): the model keeps the "
                 "weights trained so far, so training continues from them."
             )
-        launcher._check_runtime_not_started()
-        returned = []
-
-        def spawn(key):
-            self._key = key  # pickled with this launcher into every rank
-            returned.append(_XLALauncher.launch(self, function, *args, trainer=trainer, **kwargs))
-
-        results = launcher.supervise(self._plan, spawn, self._hang_timeout, self._mode)
+        preflight.check_runtime_not_started()
+        ranks = _LightningRanks(self, function, args, trainer, kwargs)
+        results = supervisor.supervise(self._plan, ranks, self._hang_timeout, self._mode)
         callbacks = trainer.callbacks if trainer is not None else []
         for callback in callbacks:
             if isinstance(callback, LiveCallback):
                 callback.history, callback.compiles = results.history, results.compiles
-        return returned[0]
+        return ranks.returned
 
     def _wrapping_function(self, process_idx, *arguments):
-        def run(rank):
-            return _XLALauncher._wrapping_function(self, rank, *arguments)
+        def work(rank_number):
+            return _XLALauncher._wrapping_function(self, rank_number, *arguments)
 
-        launcher._rank_main(self._key, process_idx, run)
+        rank.run(self._key, process_idx, work)
 
     def _collect_rank_zero_results(self, trainer, results):
-        return _lightning_simulation.trained_weights_back(
-            _XLALauncher._collect_rank_zero_results, self, trainer, results
+        return trained_weights_back(_XLALauncher._collect_rank_zero_results, self, trainer, results)
+
+
+class _LightningRanks(base.Launcher):
+    """Starts the ranks through Lightning's own XLA launcher; keeps what it returned."""
+
+    def __init__(self, launcher, function, args, trainer, kwargs):
+        super().__init__(launcher._plan.cores)
+        self.launcher = launcher
+        self.call = (function, args, trainer, kwargs)
+        self.returned = None
+
+    def start(self, key):
+        function, args, trainer, kwargs = self.call
+        self.launcher._key = key  # pickled with the launcher into every rank
+        self.returned = _XLALauncher.launch(
+            self.launcher, function, *args, trainer=trainer, **kwargs
         )

@@ -2,6 +2,7 @@
 whether its XLA runtime started, read from ``sys.modules`` and environment variables
 without importing anything."""
 
+import contextlib
 import os
 import sys
 
@@ -61,3 +62,16 @@ def runtime_started():
 def spawn_breaking_variables():
     """The preset variables (name -> value) that would break a multi-process spawn."""
     return {k: os.environ[k] for k in SPAWN_BREAKING_VARIABLES if k in os.environ}
+
+
+@contextlib.contextmanager
+def spawn_variables_removed():
+    """For the duration of a launch: without the variables that break a multi-process
+    spawn, put back after."""
+    saved = spawn_breaking_variables()
+    for name in saved:
+        del os.environ[name]
+    try:
+        yield
+    finally:
+        os.environ.update(saved)

@@ -4,7 +4,7 @@ notebook, with the DistributedSampler torch_xla users must otherwise remember to
 
 import inspect
 
-from tpunb import platform
+from tpunb import cores
 from tpunb.errors import TpunbError
 
 # Parameters of DataLoader that shard() sets itself rather than copying.
@@ -41,7 +41,7 @@ def shard(loader):
     """Inside a launched function: ``loader`` split across the cores and sent to this rank's
     device, shuffled (or not) like the original, ``set_epoch`` called each epoch."""
     rebuild = distributed_version(loader)
-    if not platform.runtime_started():
+    if not cores.in_rank():
         raise TpunbError(
             "shard(loader) runs inside the function given to tpunb.launch: it needs the "
             "rank's ordinal and the number of cores, which exist only there."

@@ -5,7 +5,7 @@ import dataclasses
 import time
 import warnings
 
-from tpunb import _rendering
+from tpunb import reports
 from tpunb.errors import TpunbWarning
 
 
@@ -32,7 +32,7 @@ class SweepRow:
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
-class Sweep(_rendering.Report):
+class Sweep(reports.Report):
     """The rows of a batch-size sweep, smallest batch first; a table in a notebook."""
 
     rows: tuple
@@ -54,7 +54,7 @@ class Sweep(_rendering.Report):
             else ["Device memory is not reported on this device (the CPU has no allocator stats)."]
         )
         return (
-            f"tpunb batch-size sweep on {_rendering.count(self.rows[0].cores, 'core')}",
+            f"tpunb batch-size sweep on {reports.count(self.rows[0].cores, 'core')}",
             rows,
             notes,
         )

@@ -1,12 +1,12 @@
 """Where tpunb sees a rank's steps: for the duration of a launch, in the parent,
 ``torch_xla.sync`` and torch_xla's per-device loader are wrapped so that each sync ends a
-step (for the hang watchdog and the step records) and each batch a loader hands out is
-recorded. The fork hands the wrappers to the ranks; the parent's own behaviour is
-unchanged (no rank runs in it) and restored afterwards."""
+step (for the hang watchdog's heartbeat and the step records) and each batch a loader
+hands out is recorded. The fork hands the wrappers to the ranks; the parent's own
+behaviour is unchanged (no rank runs in it) and restored afterwards."""
 
 import contextlib
 
-from tpunb import _progress, _steps
+from tpunb.launcher import heartbeat, recorder
 
 
 @contextlib.contextmanager
@@ -20,17 +20,17 @@ def installed():
 
     def sync_ending_a_step(*args, **kwargs):
         result = sync(*args, **kwargs)
-        _progress.tick()
-        recorder = _steps.current()
-        if recorder is not None:
-            recorder.end_step()
+        heartbeat.tick()
+        steps = recorder.current()
+        if steps is not None:
+            steps.end_step()
         return result
 
     def next_recorded(self):
         batch = next_batch(self)
-        recorder = _steps.current()
-        if recorder is not None:
-            recorder.batch(batch, self)
+        steps = recorder.current()
+        if steps is not None:
+            steps.batch(batch, self)
         return batch
 
     # torch_xla.compile and the loaders call the module's sync, user code the package's.

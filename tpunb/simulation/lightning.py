@@ -1,12 +1,16 @@
-"""PyTorch Lightning's TPU support on simulated cores, active only after ``simulate``.
-
-Two changes, nothing else (the XLA strategy, its fork launcher, the sampler it inserts and
-the gradient all-reduce stay Lightning's own):
+"""PyTorch Lightning's TPU support on simulated cores. ``install`` is called by
+``simulate`` only (refused on a machine with a TPU) and changes two things, nothing else
+(the XLA strategy, its fork launcher, the sampler it inserts and the gradient all-reduce
+stay Lightning's own):
 
 - Lightning's ``XLAAccelerator`` counts the TPU chips on PCI (through torch_xla), which is
-  0 on a CPU, so ``Trainer(accelerator="tpu")`` refuses to start. After
-  ``tpunb.simulate(cores=N)`` (itself refused on a machine with a TPU) the count is N.
-- After ``fit``, the notebook's model gets the trained weights (``trained_weights_back``).
+  0 on a CPU, so ``Trainer(accelerator="tpu")`` refuses to start: its count becomes N.
+- Lightning's XLA launcher gets ``trained_weights_back``, so that after ``fit`` the
+  notebook's model holds the trained weights.
+
+``trained_weights_back`` itself is a fix for ranks that are threads, which tpunb.lightning's
+own launcher also applies, on a TPU too: it is needed on v2/v3 hosts (two ranks a
+process) and changes nothing where each rank has its process.
 
 Lightning may be imported before or after ``simulate``: a module already imported is
 patched at once, one imported later as it loads.

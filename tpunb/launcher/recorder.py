@@ -1,41 +1,17 @@
 """In a rank: what each step did, recorded at every ``torch_xla.sync()`` and sent to the
-notebook in batches. A step's record holds the values given to ``tpunb.log``, the shapes
-of the batches the loader handed out, and, from one rank a process, the process's new
-compilations, compile time and CPU fallback ops (torch_xla's metrics are per process)."""
+notebook in batches (``messages.Steps``). A step's record holds the values given to
+``tpunb.log``, the shapes of the batches the loader handed out, and, from one rank a
+process, the process's new compilations, compile time and CPU fallback ops (torch_xla's
+metrics are per process)."""
 
-import dataclasses
 import threading
 import time
 
 from tpunb.errors import TpunbError
+from tpunb.launcher.messages import Step, Steps
 
 FLUSH_SECONDS = 0.5  # at most this long between a step and its record reaching the notebook
 _rank = threading.local()  # in a rank's thread: its Recorder
-
-
-@dataclasses.dataclass
-class Step:
-    """One step of one rank. ``compiles``, ``cached``, ``compile_seconds`` and
-    ``fallbacks`` are the process's, set only on the rank that reports them (None on the
-    others); ``shapes`` has one entry a batch the loader handed out in the step."""
-
-    step: int
-    time: float  # seconds since the launch started
-    values: dict
-    shapes: list
-    samples: int
-    compiles: int | None = None
-    cached: int | None = None
-    compile_seconds: float | None = None
-    fallbacks: dict | None = None
-    # Progress through the first loader the rank iterated (its training loader): the
-    # epoch (0 for the first pass), batches handed out so far in it, and batches a pass
-    # (None when the loader has no length). None before that loader's first batch.
-    epoch: int | None = None
-    epoch_batch: int | None = None
-    epoch_batches: int | None = None
-    # A step of a framework's own setup or teardown (Lightning's), not of training.
-    framework: bool = False
 
 
 class Recorder:
@@ -55,11 +31,18 @@ class Recorder:
         self._unsent = []  # finished steps, device values not yet read back
         self._last_flush = time.monotonic()
         self._counters = _CompileCounters() if reports_compiles else None
-        self.in_framework = False  # set by tpunb.lightning outside Lightning's training
+        self._in_framework = False  # a framework's own steps, outside its training loop
 
     def log(self, values):
+        """Records ``values`` (name -> number or one-element tensor) for the current step."""
         for name, value in values.items():
             self._values[name] = _scalar(name, value)
+
+    def framework_steps(self, on):
+        """From now on, steps are a framework's own (``on``: Lightning's setup, validation,
+        epoch ends, teardown) or training steps again; the compile watch does not judge the
+        framework's."""
+        self._in_framework = on
 
     def batch(self, batch, device_loader):
         """A batch handed out by torch_xla's per-device loader ``device_loader`` (a new
@@ -82,7 +65,7 @@ class Recorder:
             epoch=self._epoch,
             epoch_batch=self._epoch_batch,
             epoch_batches=self._epoch_batches,
-            framework=self.in_framework,
+            framework=self._in_framework,
         )
         if self._counters is not None:
             record.compiles, record.cached, record.compile_seconds, record.fallbacks = (
@@ -126,7 +109,7 @@ class Recorder:
         if not self._unsent:
             return
         _read_back([record.values for record in self._unsent])
-        self.channel.send(("steps", self.rank, self._unsent))
+        self.channel.send(Steps(self.rank, self._unsent))
         self._unsent = []
 
     def flush_finished_steps(self):
@@ -160,23 +143,6 @@ def enter(recorder):
 
 def leave():
     _rank.recorder = None
-
-
-def log(**values):
-    """Records scalar metrics for this rank's current step, e.g. ``tpunb.log(loss=loss)``.
-
-    Device tensors are not read when logged: they are read back in batches after the
-    steps that computed them (about twice a second), so logging adds no sync and no
-    device-to-host transfer to a step. The notebook plots them live and the launch's
-    ``history`` keeps them."""
-    recorder = current()
-    if recorder is None:
-        raise TpunbError(
-            "tpunb.log(...) records metrics of a rank: call it inside the function given to "
-            "tpunb.launch (or a Lightning run with tpunb's callback). In the notebook itself, "
-            "keep your own values."
-        )
-    recorder.log(values)
 
 
 def _scalar(name, value):

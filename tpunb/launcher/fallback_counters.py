@@ -18,6 +18,8 @@ device data: no graph is compiled, and tpunb's per-step counts start after them.
 
 import functools
 
+from tpunb import cores
+
 # The ops whose first fallback is created up front: .item() / float(t) / a Python if on a
 # tensor, boolean masks and masked_select.
 PRIMED_OPS = ("aten::_local_scalar_dense", "aten::nonzero", "aten::masked_select")
@@ -48,9 +50,8 @@ def create_counters():
     runs more than one rank. Called before the rank threads start."""
     import torch
     import torch_xla
-    import torch_xla.core.xla_model as xm
 
-    if len(xm.get_xla_supported_devices()) < 2:
+    if cores.ranks_in_this_process() < 2:
         return
     device = torch_xla.device()
     values = torch.tensor([1.0, 0.0]).to(device)  # device data: nothing to compile

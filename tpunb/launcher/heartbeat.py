@@ -1,7 +1,7 @@
-"""How far each rank got, for the hang watchdog: steps (``torch_xla.sync`` calls), the time
-of the last one, and the rank's process and thread, in memory shared with the forked
-ranks; plus their Python stacks on demand (faulthandler), so a hang can be reported by
-rank and step."""
+"""The hang watchdog: how far each rank got (steps, i.e. ``torch_xla.sync`` calls, the time
+of the last one, the rank's process and thread) in memory shared with the forked ranks,
+their Python stacks on demand (faulthandler), and the check that stops a launch once no
+running rank has finished a step for ``hang_timeout`` seconds."""
 
 import contextlib
 import faulthandler
@@ -12,13 +12,14 @@ import signal
 import tempfile
 import threading
 import time
+import typing
 
 STACKS_SIGNAL = signal.SIGUSR1
 _STEPS, _TIME, _PID, _THREAD, _DONE, _SLOTS = range(6)
-_rank = threading.local()  # in a rank's thread: (Progress, rank)
+_rank = threading.local()  # in a rank's thread: (Heartbeat, rank)
 
 
-class Progress:
+class Heartbeat:
     """Per rank: steps done, the monotonic time of the last one, its pid and thread id,
     and whether it finished. Created before the fork (an anonymous shared mapping: no
     file descriptor), written by the ranks, read by the parent."""
@@ -65,6 +66,37 @@ class Progress:
     def close(self):
         self._values.release()
         self._memory.close()
+
+
+class Hang(typing.NamedTuple):
+    """A launch stopped as hung."""
+
+    running: list  # ranks that had not finished
+    steps: dict  # rank -> steps it had done
+    stacks: dict  # rank -> its Python stack, most recent call first
+    idle: float  # seconds without any running rank finishing a step
+    timeout: float  # the launch's hang_timeout
+
+
+class Watchdog:
+    """In the notebook: ``check()`` returns a ``Hang`` once no running rank has finished a
+    step for ``timeout`` seconds (never with ``timeout=None``)."""
+
+    def __init__(self, heartbeat, timeout, stacks):
+        self.heartbeat = heartbeat
+        self.timeout = timeout
+        self.stacks = stacks  # the file the ranks dump their stacks to (stacks_on_signal)
+
+    def check(self):
+        if self.timeout is None:
+            return None
+        beat = self.heartbeat
+        running = [r for r in range(beat.ranks) if not beat.finished(r)]
+        idle = beat.idle_seconds(running) if running else 0
+        if idle < self.timeout:
+            return None
+        stacks = collect_stacks(self.stacks, beat, running)
+        return Hang(running, {r: beat.step(r) for r in running}, stacks, idle, self.timeout)
 
 
 def tick():

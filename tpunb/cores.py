@@ -1,0 +1,89 @@
+"""How many cores a launch runs on, laid out how, and whether this code runs in a rank:
+the one place that knows. Never starts the XLA runtime.
+
+``xmp.spawn`` starts one process per TPU chip and, in each, one thread per core (XLA
+device) of the chip: v2-8/v3-8 4 x 2, v4-8 4 x 1, v5e-8 8 x 1, v5e-1/v6e-1 1 x 1. On the
+CPU torch_xla runs every device as a thread of one process: the simulation is 1 x N.
+"""
+
+import dataclasses
+import os
+
+from tpunb import hardware, platform
+from tpunb.errors import TpunbError, check_count
+
+_simulated = None  # cores set by tpunb.simulate, in this process and the ones it forks
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """The cores a launch runs on and the processes and threads that drive them."""
+
+    cores: int  # ranks of a launch: one a core
+    processes: int
+    tpu: object  # hardware.Tpu, or None for simulated cores
+
+    @property
+    def simulated(self):
+        return self.tpu is None
+
+    @property
+    def ranks_per_process(self):
+        """Ranks each process runs, each a thread driving one core."""
+        return self.cores // self.processes
+
+    def describe(self):
+        """ "4 processes x 2 threads"."""
+        processes, threads = self.processes, self.ranks_per_process
+        return (
+            f"{processes} process{'es' if processes != 1 else ''} x "
+            f"{threads} thread{'s' if threads != 1 else ''}"
+        )
+
+
+def available():
+    """The layout of a launch on this machine: its TPU, else the simulated cores, else None."""
+    tpu = hardware.detect()
+    if tpu is not None:
+        return Layout(cores=tpu.cores, processes=tpu.chips, tpu=tpu)
+    if _simulated is not None:
+        return Layout(cores=_simulated, processes=1, tpu=None)
+    return None
+
+
+def count(cores=None):
+    """``cores`` checked, or (None) the cores a launch here runs on; raises without any."""
+    if cores is not None:
+        return check_count(cores, "cores=...", "cores", 8)
+    layout = available()
+    if layout is None:
+        raise TpunbError(
+            "No TPU cores here to count: pass cores=..., or call tpunb.simulate(cores=8) first."
+        )
+    return layout.cores
+
+
+def simulated():
+    """The number of simulated cores, or None when ``tpunb.simulate`` has not been called."""
+    return _simulated
+
+
+def set_simulated(cores):
+    """Called by ``tpunb.simulate`` once the simulation is set up."""
+    global _simulated
+    _simulated = cores
+
+
+def in_rank():
+    """True in a rank: a thread that ``xmp.spawn`` (tpunb's launch, Lightning's or a plain
+    one) runs on a core. The notebook's own process is never one, even once it has used
+    the device: torch_xla sets ``PJRT_LOCAL_PROCESS_COUNT`` only where it starts ranks."""
+    return platform.runtime_started() and "PJRT_LOCAL_PROCESS_COUNT" in os.environ
+
+
+def ranks_in_this_process():
+    """In a rank: the ranks its process runs (threads sharing torch's RNG, metrics, ...)."""
+    import torch_xla.core.xla_model as xm
+    import torch_xla.runtime as xr
+
+    return 1 if xr.world_size() == 1 else len(xm.get_xla_supported_devices())

@@ -1,0 +1,61 @@
+"""The launch: ``launch(fn, *args, **kwargs)`` runs ``fn(rank, *args, **kwargs)`` on every
+TPU core from a notebook, through torch_xla's ``xmp.spawn`` with the fork start method,
+and returns what every rank returned.
+
+The machinery, one file a responsibility, in the order a launch meets it:
+
+    preflight.py    everything checked before a fork: the Plan (cores, simulated)
+    base.py         Launcher: what starts the ranks (one small interface) ...
+    xmp_spawn.py      ... on every core: xmp.spawn(fork)
+    one_core.py       ... one rank in a child process (cores=1, debugging)
+    supervisor.py   the notebook's side: starts the launcher, reads the ranks' messages
+                    into the history, compile watch and live view, stops everything on
+                    the first failure, a hang or an interrupt; the outcome
+    rank.py         what runs in each rank: the job's function, its result or error back
+    recorder.py     a rank's step records (tpunb.log values, batches, compilations)
+    hooks.py        torch_xla.sync and the loader, wrapped so steps end and batches count
+    messages.py     the typed records a rank sends the notebook (Steps, Raised, Returned)
+    channel.py      the pipe that carries them, by value
+    heartbeat.py    per-rank progress in shared memory, stacks on demand, the watchdog
+    failures.py     what a failure is reported as, with its likely cause
+    processes.py    the launch's processes: recorded, found, killed
+    fallback_counters.py  torch_xla's fallback counters created before rank threads start
+
+What tpunb.lightning uses (its launcher is Lightning's own): ``preflight.plan``,
+``preflight.check_hang_timeout``, ``preflight.check_runtime_not_started``, ``base.Launcher``,
+``supervisor.supervise``, ``rank.run`` and, inside a rank, ``recorder.current()``.
+"""
+
+from tpunb import live as live_view
+from tpunb.launcher import preflight
+from tpunb.launcher.one_core import OneCore
+from tpunb.launcher.supervisor import LaunchResults, supervise
+from tpunb.launcher.xmp_spawn import XmpSpawn
+
+__all__ = ["LaunchResults", "launch"]
+
+
+def launch(fn, *args, cores=None, hang_timeout=600, live="auto", start_method="fork", **kwargs):
+    """Run ``fn(rank, *args, **kwargs)`` on every TPU core; return the ranks' results by rank.
+
+    ``cores=None`` (or the core count) runs on all cores; ``cores=1`` runs one rank in a
+    child process, a debug mode that leaves the notebook's kernel able to launch again.
+    When no running rank has finished a step (``torch_xla.sync``) for ``hang_timeout``
+    seconds, the launch is stopped and each rank's step and Python stack reported
+    (``None``: wait forever). Everything that would break the launch is refused before
+    any process starts.
+
+    ``live`` is what the notebook shows meanwhile: ``"auto"`` draws a live figure (values
+    given to ``tpunb.log``, samples/s, compilations) under a progress line where the
+    notebook draws widgets, and prints a line each epoch elsewhere (nbval, a script);
+    ``"widgets"`` and ``"text"`` choose, ``False`` shows nothing. Both end with the
+    figure of the whole run.
+    """
+    preflight.check_start_method(start_method)
+    preflight.check_callable(fn, args, kwargs)
+    preflight.check_hang_timeout(hang_timeout)
+    view = live_view.resolve(live)
+    plan = preflight.plan(cores)
+    preflight.warn_about_worker_processes(plan, args, kwargs)
+    launcher = OneCore() if plan.cores == 1 else XmpSpawn(plan.cores)
+    return supervise(plan, launcher, hang_timeout, view, fn, args, kwargs)

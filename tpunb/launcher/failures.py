@@ -1,0 +1,157 @@
+"""What a failed launch is reported as: a rank's error with its likely cause, a process
+killed by a signal, a hang with each rank's step and stack. Every message says what
+happened and what to do."""
+
+import importlib.util
+import signal
+
+from tpunb import migration
+from tpunb.errors import RankError
+
+# Errors whose message alone does not say what to do.
+_KNOWN_CAUSES = [
+    (
+        "device_ready_queues_",
+        (
+            "this notebook's process ran a backward pass (loss.backward()) before the launch. "
+            "PyTorch's autograd engine starts once per process, and processes forked after "
+            "that cannot run backward on XLA devices "
+            "(https://github.com/pytorch/xla/issues/4174). "
+            "Restart the kernel and run backward passes only inside launched functions."
+        ),
+    ),
+]
+
+# What a signal that killed a rank's process most likely means.
+_SIGNAL_CAUSES = {
+    signal.SIGKILL: "most likely the host ran out of memory and the kernel's OOM killer "
+    "stopped it; use less memory per core (smaller batches, data built once before the "
+    "launch so the fork shares it)",
+    signal.SIGSEGV: "a crash in native code (torch, torch_xla or a C extension)",
+    signal.SIGABRT: "a fatal error in native code, usually torch_xla's runtime, whose "
+    "message went to stderr (shown above in a notebook, or in the Jupyter server's log)",
+    signal.SIGTERM: "another process asked it to stop",
+    signal.SIGBUS: "a memory access fault, often a full /dev/shm",
+}
+
+_SIMULATED_ABORT = (
+    "on simulated cores this is usually a collective that never completed: XLA waits 10 s "
+    "for every rank to join, then aborts. All ranks must reach the collective, build the "
+    "same graph from it to the next torch_xla.sync() (no rank-dependent Python numbers in "
+    "it, e.g. x * rank: send them as tensors), and read its result (.item(), .cpu(), print) "
+    "only after torch_xla.sync()"
+)
+
+
+def describe(error):
+    """In a rank: its exception in words, with the likely cause and the current spelling
+    of a removed call where the message shows one."""
+    description = f"raised {type(error).__name__}: {error}"
+    for symptom, explanation in _KNOWN_CAUSES:
+        if symptom in str(error):
+            description += f"\n\nLikely cause: {explanation}"
+    renamed = migration.hint_for_error(str(error))
+    if renamed:
+        description += f"\n\n{renamed}"
+    return description
+
+
+def unsendable(result, error):
+    """In a rank: its result could not be pickled to go back to the notebook."""
+    return (
+        f"returned a {type(result).__module__}.{type(result).__qualname__} that cannot be "
+        f"sent back to the notebook ({type(error).__name__}: {error}). Return plain data: "
+        "numbers, strings, lists, dicts, numpy arrays or tensors (moved to the CPU for you)"
+    )
+
+
+def raised_error(failures):
+    """``failures``: rank -> messages.Raised. Reports the lowest rank."""
+    first = min(failures)
+    failure = failures[first]
+    others = sorted(set(failures) - {first})
+    message = f"rank {first} {failure.description}"
+    if others:
+        message += f"\n(ranks {span(others)} failed too)"
+    if failure.traceback:
+        message += f"\n\nTraceback from rank {first}:\n{failure.traceback.rstrip()}"
+    return RankError(message, ranks=sorted(failures), remote_traceback=failure.traceback)
+
+
+def lost_error(missing, exits, rank_pids, simulated, launcher_error):
+    """Ranks ``missing`` sent no result. ``exits``: (pid, exit code) of the launch's
+    processes; ``rank_pids``: rank -> pid; ``launcher_error``: what the launcher raised."""
+    deaths, signals = [], []
+    for pid, code in exits:
+        if not code:
+            continue
+        ranks = sorted(r for r, p in rank_pids.items() if p == pid)
+        who = f"the process of ranks {span(ranks)}" if ranks else "a launch process"
+        if code < 0:
+            signals.append(signal.Signals(-code).name)
+            cause = _SIGNAL_CAUSES.get(-code, "")
+            if simulated and -code == signal.SIGABRT:
+                cause = _SIMULATED_ABORT
+            deaths.append(f"{who} (pid {pid}) was killed by {signals[-1]}: {cause}")
+        else:
+            deaths.append(f"{who} (pid {pid}) exited with code {code}")
+    if deaths:
+        reason = "; ".join(deaths)
+    elif launcher_error is not None:
+        reason = launcher_error
+    else:
+        reason = "they returned without a result"
+    return RankError(
+        f"Ranks {span(missing)} did not finish: {reason}.",
+        ranks=missing,
+        signal=signals[0] if signals else None,
+    )
+
+
+def hang_error(hang):
+    """Groups the running ranks by step and by where they wait."""
+    groups = {}
+    for rank in hang.running:
+        groups.setdefault((hang.steps[rank], _where(hang.stacks.get(rank))), []).append(rank)
+    lines = [
+        f"  {'rank' if len(ranks) == 1 else 'ranks'} {span(ranks)}: after step {step}, {where}"
+        for (step, where), ranks in sorted(groups.items(), key=lambda item: item[1][0])
+    ]
+    message = (
+        f"No rank finished a step for {hang.idle:.0f} s (hang_timeout={hang.timeout}), so the "
+        "launch was stopped. A step ends at each torch_xla.sync() (MpDeviceLoader calls it "
+        "every batch). Where the ranks were:\n" + "\n".join(lines)
+    )
+    for ranks in groups.values():
+        if ranks[0] in hang.stacks:
+            message += (
+                f"\n\nPython stack of rank {ranks[0]} (most recent call first):\n"
+                f"{hang.stacks[ranks[0]]}"
+            )
+    return RankError(message, ranks=hang.running, stacks=hang.stacks)
+
+
+def _where(stack):
+    """Where a faulthandler stack waits, in words."""
+    frames = [
+        line.strip() for line in (stack or "").splitlines() if line.strip().startswith("File")
+    ]
+    if not frames:
+        return "no Python stack (inside native code, or the process is gone)"
+    innermost = next((f for f in frames if "/threading.py" not in f), frames[0])
+    if f'"{_COLLECTIVES}"' in innermost:
+        return "waiting in a collective for the other ranks"
+    return f"in {innermost}"
+
+
+# Where the simulation's ranks wait for each other (found, not imported: it imports
+# torch_xla; a rename fails here, at import, instead of silently in a hang report).
+_COLLECTIVES = importlib.util.find_spec("tpunb.simulation.collectives").origin
+
+
+def span(ranks):
+    """ "0-7", or "1, 3" """
+    ranks = sorted(ranks)
+    if len(ranks) > 2 and ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"{ranks[0]}-{ranks[-1]}"
+    return ", ".join(map(str, ranks))

@@ -1,0 +1,141 @@
+"""Everything checked before a fork: a launch that would break is refused here, with the
+fix, before any process starts."""
+
+import dataclasses
+import inspect
+import os
+import sys
+import warnings
+
+from tpunb import cores, platform, versions
+from tpunb.errors import TpunbError, TpunbWarning
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What a launch will run on."""
+
+    cores: int  # ranks the launch runs: all cores, or 1
+    simulated: bool
+
+
+def plan(requested=None):
+    """The cores a launch of ``requested`` cores (None: all) runs on; refuses what
+    ``xmp.spawn`` cannot run: no TPU and no simulation, a runtime already started here,
+    a core count other than all or 1."""
+    if not versions.has_torch_xla():
+        raise TpunbError(versions.INSTALL_TORCH_XLA)
+    check_runtime_not_started()
+    layout = cores.available()
+    if layout is None:
+        raise TpunbError(
+            "No TPU found on this machine, and no simulation is set up. To run on 8 TPU cores "
+            "simulated on the CPU, call tpunb.simulate(cores=8) before tpunb.launch(...). "
+            "On Colab or Kaggle, pick a TPU runtime/accelerator first."
+        )
+    if requested is None or requested == layout.cores:
+        return Plan(cores=layout.cores, simulated=layout.simulated)
+    if requested == 1 and not isinstance(requested, bool):
+        return Plan(cores=1, simulated=layout.simulated)
+    where = (
+        "simulated cores" if layout.simulated else f"cores on this {layout.tpu.accelerator_type}"
+    )
+    hint = (
+        f" To simulate {requested} cores, call tpunb.simulate(cores={requested}) first."
+        if layout.simulated and isinstance(requested, int) and requested > 1
+        else ""
+    )
+    raise TpunbError(
+        f"launch(cores={requested!r}): xmp.spawn runs on all {layout.cores} {where} or on 1, "
+        f"nothing in between. Use cores=None (all) or cores=1 (debugging).{hint}"
+    )
+
+
+def check_runtime_not_started():
+    if not platform.runtime_started():
+        return
+    restart = "Restart the kernel" if platform.in_kernel() else "Start a new Python process"
+    raise TpunbError(
+        "The XLA runtime is already running in this process, so xmp.spawn cannot start the "
+        "cores: something here used the XLA device, e.g. torch_xla.device(), "
+        "xm.xla_device(), torch_xla.device_count(), xr.world_size() outside a launch, "
+        "met.metrics_report(), or a tensor moved to 'xla'. The runtime cannot be stopped. "
+        f"{restart}, and touch the device only inside the function you launch."
+    )
+
+
+def check_start_method(start_method):
+    if start_method == "fork":
+        return
+    why = (
+        "In a notebook, spawned processes cannot find the functions defined in it "
+        "(https://github.com/pytorch/xla/issues/2750). "
+        if platform.in_kernel()
+        else ""
+    )
+    raise TpunbError(
+        f"launch(start_method={start_method!r}): tpunb always forks, which is what lets "
+        f"functions defined in a notebook, closures and lambdas run on the cores. {why}"
+        "Leave start_method out; outside a notebook, call torch_xla's xmp.spawn directly "
+        "to use another start method."
+    )
+
+
+def check_hang_timeout(hang_timeout):
+    if hang_timeout is None:
+        return
+    if (
+        isinstance(hang_timeout, bool)
+        or not isinstance(hang_timeout, (int, float))
+        or hang_timeout <= 0
+    ):
+        raise TpunbError(
+            f"launch(hang_timeout={hang_timeout!r}): give the seconds a launch may go without "
+            "any rank finishing a step before it is stopped, e.g. 600, or None to never stop it."
+        )
+
+
+def check_callable(fn, args, kwargs):
+    if not callable(fn):
+        raise TpunbError(
+            f"launch(fn, ...) needs a function to run on every core, got {type(fn).__name__} "
+            f"{fn!r}. Pass the function itself: tpunb.launch(train, config), not train(...)."
+        )
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return  # builtins without a signature: let the call decide
+    try:
+        signature.bind(0, *args, **kwargs)
+    except TypeError as error:
+        name = getattr(fn, "__qualname__", repr(fn))
+        raise TpunbError(
+            f"{name}{signature} cannot be called as {name}(rank, *args, **kwargs) with the "
+            f"arguments given to launch ({error}). The first parameter receives the core's "
+            "rank (0, 1, ...), e.g. def train(rank, config): ..."
+        ) from None
+
+
+def warn_about_worker_processes(plan, args, kwargs):
+    """A DataLoader argument whose workers each rank would fork: warned, with the cost."""
+    for loader in [a for a in (*args, *kwargs.values()) if _forks_workers(a)]:
+        workers = loader.num_workers
+        warnings.warn(
+            f"A DataLoader with num_workers={workers} is passed to launch: each of the "
+            f"{plan.cores} ranks will fork {workers} worker processes from its own forked "
+            f"process ({plan.cores * workers} in all, on {os.cpu_count()} CPUs). Forking a "
+            "process whose other threads run XLA can deadlock, and the workers compete "
+            "with the ranks for the CPU. For data already in memory use num_workers=0; "
+            "otherwise keep ranks x workers within the host's CPUs.",
+            TpunbWarning,
+            stacklevel=3,
+        )
+
+
+def _forks_workers(obj):
+    data = sys.modules.get("torch.utils.data")
+    if data is None or not isinstance(obj, data.DataLoader) or obj.num_workers == 0:
+        return False
+    context = obj.multiprocessing_context
+    method = context if isinstance(context, str) or context is None else context.get_start_method()
+    return method in (None, "fork")

@@ -1,0 +1,92 @@
+"""What runs in every rank (a thread of a forked process): the job's function, then its
+result or its error back to the notebook.
+
+Jobs wait here by key. The forked ranks find their job in this module (fork copies the
+notebook's memory), so the function and its arguments are never pickled: functions
+defined in the notebook, closures and lambdas all work."""
+
+import dataclasses
+import functools
+import itertools
+import os
+import threading
+import time
+import traceback
+
+from tpunb import cores
+from tpunb.launcher import channel, failures, heartbeat, recorder
+from tpunb.launcher.messages import Raised, Returned
+
+_jobs = {}
+_keys = itertools.count()
+# In a rank's process: the results of its finished ranks, sent together once all of the
+# process's ranks are done (one message, not one a rank, while the others still run).
+_finished = []
+_finished_lock = threading.Lock()
+
+
+@dataclasses.dataclass
+class Job:
+    """A launch, as its ranks see it: what to run and where to report."""
+
+    fn: object  # called as fn(rank, *args, **kwargs)
+    args: tuple
+    kwargs: dict
+    cores: int
+    channel: channel.Channel
+    heartbeat: heartbeat.Heartbeat
+    start: float = dataclasses.field(default_factory=time.monotonic)
+    # pid -> the rank that reports the process's compilations (torch_xla counts per process)
+    compile_reporters: dict = dataclasses.field(default_factory=dict)
+
+
+def register(job):
+    """Makes ``job`` findable by the ranks forked from now on; returns its key."""
+    key = next(_keys)
+    _jobs[key] = job
+    return key
+
+
+def unregister(key):
+    return _jobs.pop(key)
+
+
+def run(key, rank, work=None):
+    """The entry of every rank of job ``key``: runs ``fn(rank, *args, **kwargs)`` (or
+    ``work(rank)``), recording its steps, then sends its result or error to the notebook."""
+    job = _jobs[key]
+    if work is None:
+        work = functools.partial(_call_function, job)
+    job.heartbeat.enter(rank)
+    reports_compiles = job.compile_reporters.setdefault(os.getpid(), rank) == rank
+    steps = recorder.Recorder(rank, job.channel, job.start, reports_compiles)
+    recorder.enter(steps)
+    try:
+        try:
+            result = work(rank)
+            steps.finish()
+        except BaseException as error:  # noqa: BLE001 - everything goes back to the notebook
+            # The traceback starts in the user's function, not in this module.
+            frames = error.__traceback__
+            while frames is not None and frames.tb_frame.f_globals.get("__name__") == __name__:
+                frames = frames.tb_next
+            remote = traceback.format_exception(type(error), error, frames)
+            steps.flush_finished_steps()  # the history up to the error, for the plots
+            job.channel.send(Raised(rank, failures.describe(error), "".join(remote)))
+            return
+        try:
+            payload = channel.dumps(result)
+        except Exception as error:  # noqa: BLE001
+            job.channel.send(Raised(rank, failures.unsendable(result, error), None))
+            return
+        with _finished_lock:
+            _finished.append((rank, payload))
+            if len(_finished) == cores.ranks_in_this_process():
+                job.channel.send(Returned(list(_finished)))
+    finally:
+        recorder.leave()
+        job.heartbeat.finish(rank)
+
+
+def _call_function(job, rank):
+    return job.fn(rank, *job.args, **job.kwargs)

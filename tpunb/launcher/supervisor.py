@@ -1,0 +1,201 @@
+"""The notebook's side of a launch: starts the launcher in a background thread and watches
+the ranks from the calling thread, which stays free to stop everything on the first
+failure, a hang or an interrupt. Messages from the ranks (``messages.py``) feed the
+history, the compile watch and the live view; the outcome is the results by rank or the
+first failure as a ``RankError``."""
+
+import contextlib
+import pickle
+import queue
+import sys
+import threading
+import time
+import warnings
+
+from tpunb import compile_watch, history, live, platform
+from tpunb.errors import TpunbWarning
+from tpunb.launcher import (
+    channel,
+    failures,
+    fallback_counters,
+    heartbeat,
+    hooks,
+    processes,
+    rank,
+)
+from tpunb.launcher.messages import Ended, Raised, Returned, Steps
+
+HANG_CHECK_SECONDS = 0.1
+
+
+class LaunchResults(list):
+    """What each rank returned, by rank (a list), with what the launch recorded:
+    ``history`` (per rank, per step: logged values, batch shapes, compilations) and
+    ``compiles`` (the compilations and their causes, summed up)."""
+
+    def __init__(self, results, history, compiles):
+        super().__init__(results)
+        self.history = history
+        self.compiles = compiles
+
+
+def supervise(plan, launcher, hang_timeout, view, fn=None, args=(), kwargs=None):
+    """Runs ``launcher`` (a ``base.Launcher``) for ``plan`` and watches its ranks; returns a
+    ``LaunchResults`` or raises the first failure. ``fn(rank, *args, **kwargs)`` is what
+    the ranks run, unless the launcher gives them their work itself (``rank.run(key,
+    rank, work)``). ``view`` is a mode of ``live.resolve``."""
+    job = rank.Job(
+        fn, args, kwargs or {}, plan.cores, channel.Channel(), heartbeat.Heartbeat(plan.cores)
+    )
+    key = rank.register(job)
+    try:
+        fallback_counters.install()  # ranks that are threads fall back together
+        stacks = heartbeat.stacks_on_signal() if hang_timeout else contextlib.nullcontext()
+        with platform.spawn_variables_removed(), hooks.installed(), stacks as stacks:
+            watchdog = heartbeat.Watchdog(job.heartbeat, hang_timeout, stacks)
+            return _Supervisor(plan, job, key, launcher, watchdog, view).run()
+    finally:
+        rank.unregister(key).heartbeat.close()
+
+
+class _Supervisor:
+    def __init__(self, plan, job, key, launcher, watchdog, view):
+        self.plan = plan
+        self.job = job
+        self.key = key
+        self.launcher = launcher
+        self.watchdog = watchdog
+        self.history = history.History(plan.cores)
+        self.compile_watch = compile_watch.CompileWatch(plan.cores)
+        self.view = live.Guarded(live.view(view, self.history, self.compile_watch))
+        self.processes = []  # the launch's multiprocessing.Process objects: exit codes
+        self.results = {}  # rank -> pickled result
+        self.failures = {}  # rank -> Raised
+        self.hang = None
+        self.ended = None  # the launcher's Ended message
+        self.stopping = False
+
+    def run(self):
+        thread = threading.Thread(target=self._start, name="tpunb-launcher", daemon=True)
+        with processes.recording_children(thread) as self.processes:
+            self.job.channel.start()
+            thread.start()
+            try:
+                self._watch()
+            except KeyboardInterrupt:
+                self._stop()
+                self._watch()
+                raise
+            finally:
+                if self.ended is None:  # only after a second interrupt
+                    self._stop()
+                thread.join(5)
+                self.job.channel.finish()
+                self._read_inbox()
+                self.view.close(failed=not self._succeeded())
+        try:
+            return self._outcome()
+        finally:
+            # An error's traceback keeps this object alive (IPython keeps the last one):
+            # let go of the processes, and so of their pipes, now that their exit is read.
+            self.processes.clear()
+
+    def _start(self):
+        error = None
+        try:
+            self.launcher.start(self.key)
+        except BaseException as raised:  # noqa: BLE001 - reported by _outcome
+            error = f"{type(raised).__name__}: {raised}"
+            # Its traceback holds the process pool's frames, and they its pipes, in a
+            # cycle: without this the pipes stay open until the next garbage collection.
+            raised.__traceback__ = None
+        finally:
+            self.job.channel.inbox.put(Ended(error))  # wakes _watch at once
+
+    def _watch(self):
+        inbox = self.job.channel.inbox
+        next_check = time.monotonic()
+        while self.ended is None:
+            try:
+                self._handle(inbox.get(timeout=max(0, next_check - time.monotonic())))
+            except queue.Empty:
+                pass
+            self.view.update()
+            if time.monotonic() >= next_check and not self.stopping:  # however busy the inbox
+                self.hang = self.watchdog.check()
+                next_check = time.monotonic() + HANG_CHECK_SECONDS
+            if self.failures or self.hang:  # the first failure stops every rank
+                self.stopping = True
+            if self.stopping:  # again on every turn: processes may still be starting
+                processes.kill_trees(self._pids())
+
+    def _handle(self, message):
+        if isinstance(message, Steps):
+            self.history.add(message.rank, message.steps)
+            self._warn(self.compile_watch.add(message.rank, message.steps))
+        elif isinstance(message, Returned):
+            self.results.update(message.results)
+        elif isinstance(message, Raised):
+            self.failures.setdefault(message.rank, message)
+        elif isinstance(message, Ended):
+            self.ended = message
+
+    def _read_inbox(self):
+        while True:
+            try:
+                self._handle(self.job.channel.inbox.get_nowait())
+            except queue.Empty:
+                return
+
+    def _stop(self):
+        self.stopping = True
+        processes.kill_trees(self._pids())
+
+    def _pids(self):
+        # Only processes not yet reaped: a reaped one's pid may already name another.
+        return [process.pid for process in self.processes if process.exitcode is None]
+
+    def _warn(self, messages):
+        for message in messages:
+            warnings.warn(message, TpunbWarning, stacklevel=_outside_tpunb())
+
+    def _succeeded(self):
+        return (
+            self.hang is None
+            and not self.failures
+            and all(r in self.results for r in range(self.plan.cores))
+        )
+
+    def _outcome(self):
+        # Errors are built in the raise: one kept in self or in a local would sit in a
+        # cycle with its traceback's frames, holding the processes' pipes until a gc.
+        if self.hang is not None:
+            raise failures.hang_error(self.hang)
+        if self.failures:
+            raise failures.raised_error(self.failures)
+        expected = range(self.plan.cores)
+        missing = [r for r in expected if r not in self.results]
+        if missing:
+            beat = self.job.heartbeat
+            raise failures.lost_error(
+                missing,
+                exits=[(p.pid, p.exitcode) for p in self.processes],
+                rank_pids={r: beat.pid(r) for r in expected if beat.pid(r)},
+                simulated=self.plan.simulated,
+                launcher_error=self.ended.error if self.ended else None,
+            )
+        self._warn(self.compile_watch.finish())
+        return LaunchResults(
+            [pickle.loads(self.results[r]) for r in expected],
+            self.history,
+            self.compile_watch.summary(),
+        )
+
+
+def _outside_tpunb():
+    """The ``stacklevel`` that shows a warning at the user's line calling tpunb (the
+    launch), not inside tpunb."""
+    frame, level = sys._getframe(1), 1  # stacklevel 1: the function calling warnings.warn
+    while frame is not None and frame.f_globals.get("__name__", "").partition(".")[0] == "tpunb":
+        frame, level = frame.f_back, level + 1
+    return level

@@ -1,0 +1,22 @@
+"""``tpunb.log(loss=loss)``: inside a rank, record numbers for this step; the notebook plots
+them live and the launch's ``history`` keeps them."""
+
+from tpunb.errors import TpunbError
+from tpunb.launcher import recorder
+
+
+def log(**values):
+    """Records scalar metrics for this rank's current step, e.g. ``tpunb.log(loss=loss)``.
+
+    Device tensors are not read when logged: they are read back in batches after the
+    steps that computed them (about twice a second), so logging adds no sync and no
+    device-to-host transfer to a step. The notebook plots them live and the launch's
+    ``history`` keeps them."""
+    current = recorder.current()
+    if current is None:
+        raise TpunbError(
+            "tpunb.log(...) records metrics of a rank: call it inside the function given to "
+            "tpunb.launch (or a Lightning run with tpunb's callback). In the notebook itself, "
+            "keep your own values."
+        )
+    current.log(values)

@@ -1,0 +1,65 @@
+"""The simulation: N TPU cores on the CPU with the real torch_xla (docs/simulation.md).
+
+    __init__.py     simulate(cores): the environment torch_xla reads, then the patches
+    collectives.py  torch_xla.sync and collectives that complete between threads
+    lightning.py    PyTorch Lightning's TPU accelerator opened to the simulated cores
+
+Nothing here is applied on a machine with a TPU: ``simulate`` refuses to run there.
+"""
+
+import os
+
+from tpunb import cores as core_layout
+from tpunb import hardware, platform, versions
+from tpunb.environment import env
+from tpunb.errors import TpunbError, check_count
+
+
+def simulate(cores=8):
+    """Simulate a TPU with ``cores`` cores on this machine's CPU, for every later launch.
+
+    Selects torch_xla's CPU device with ``cores`` devices (``PJRT_DEVICE=CPU``,
+    ``CPU_NUM_DEVICES``) and makes collectives between them work. Call it before
+    anything touches the XLA device. Returns the environment report.
+    """
+    count = check_count(cores, "simulate(cores=...)", "cores", 8)
+    tpu = hardware.detect()
+    if tpu is not None:
+        raise TpunbError(
+            f"This machine has a TPU ({tpu.accelerator_type}, {tpu.cores} cores): launch on it "
+            "directly with tpunb.launch(...). Simulation is for machines without a TPU."
+        )
+    _check_torch_xla_version()
+    if platform.runtime_started():
+        raise TpunbError(
+            "The XLA runtime is already running in this process, so the number of simulated "
+            "cores can no longer change. Restart the kernel (or Python) and call "
+            "tpunb.simulate(...) before anything touches the XLA device."
+        )
+    os.environ["PJRT_DEVICE"] = "CPU"
+    os.environ["CPU_NUM_DEVICES"] = str(count)
+    # One torch_xla pool thread per replica at least, or collectives cannot complete.
+    pool_size = max(16, 2 * count, int(os.environ.get("XLA_THREAD_POOL_SIZE", "0") or 0))
+    os.environ["XLA_THREAD_POOL_SIZE"] = str(pool_size)
+    os.environ["PJRT_CPU_ASYNC_CLIENT"] = "false"
+
+    from tpunb.launcher import fallback_counters
+    from tpunb.simulation import collectives, lightning
+
+    collectives.install()
+    fallback_counters.install()  # also for plain xmp.spawn and Lightning's launcher
+    lightning.install(count)
+    core_layout.set_simulated(count)
+    return env()
+
+
+def _check_torch_xla_version():
+    version = versions.installed("torch_xla")
+    if version is None:
+        raise TpunbError(versions.INSTALL_TORCH_XLA)
+    if not versions.simulation_supports(version):
+        raise TpunbError(
+            f"tpunb.simulate supports torch_xla {' and '.join(versions.SUPPORTED_TORCH_XLA)}, "
+            f"found {version}. Install a supported pair, e.g. pip install torch==2.9.0 "
+            "torch_xla==2.9.0."
+        )
