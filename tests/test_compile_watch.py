@@ -3,6 +3,7 @@ their causes, and the fixes (buckets, a padded last batch, a graph limit)."""
 
 import copy
 import re
+import time
 import warnings
 
 import pytest
@@ -250,7 +251,7 @@ def test_the_history_keeps_every_logged_value_and_survives_a_round_trip(
 
 
 def _record(step, batch, compiles=None):
-    from tpunb.launcher.messages import Step
+    from tpunb.history import Step
 
     counters = {} if compiles is None else {"compiles": compiles, "compile_seconds": 0.1}
     return Step(step, 0.0, {}, [[(batch, 16)]], batch, fallbacks={}, **counters)
@@ -276,13 +277,54 @@ def test_a_compilation_read_a_step_early_is_still_blamed_on_its_new_shape(lag):
     assert (summary.compiles, summary.compiles_after_warmup, summary.steps) == (4, 1, 10)
 
 
+def _same_graph_every_step(rank, steps):
+    """No collective: the ranks drift apart. Rank 7 runs fastest and rank 0 slowest, so the
+    graph of the result (x.sum(), computed after the loop) compiles while the other ranks,
+    the one reading the process's counters among them, are still in their loops."""
+    import torch_xla
+
+    x = torch.zeros(4, device=torch_xla.device())
+    for _ in range(steps):
+        x = x + 1
+        torch_xla.sync()
+        time.sleep(0.0005 * (7 - rank))
+    return x.sum()
+
+
+def test_the_same_graph_every_step_is_never_called_a_changed_graph(cores8):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tpunb.TpunbWarning)
+        results = tpunb.launch(_same_graph_every_step, 400, live=False)
+    assert [float(total) for total in results] == [4 * 400.0] * 8
+    assert results.compiles.causes == []
+
+
+def test_a_compilation_counted_steps_after_a_lagging_ranks_new_shape_is_blamed_on_it():
+    # Rank 1 lags 30 steps behind rank 0, which reads the process's counters: the graph
+    # rank 1 compiled for its new batch shape at its step 10 is counted in rank 0's step 40.
+    watch = tpunb.compile_watch.CompileWatch(ranks=2)
+    messages = []
+    for step in range(60):
+        compiles = {0: 2, 1: 1, 40: 1}.get(step, 0)
+        lagging = max(0, step - 30)
+        record = _record(step, 8, compiles=compiles)
+        record.process_steps = (lagging, step + 1)
+        messages += watch.add(0, [record])
+        if step >= 30:
+            messages += watch.add(1, [_record(lagging, 5 if lagging == 10 else 8)])
+    messages += watch.add(1, [_record(s, 8) for s in range(30, 60)])
+    messages += watch.finish()
+    [message] = messages
+    assert message.startswith("step 10 compiled 1 new graph: batch shape (5, 16)")
+
+
 def _framework_run(last_batch=8, graph_change_at=None):
     """Rank 0's and rank 1's records of a Lightning-like run: 2 setup steps of the
     framework's own between 2 of the notebook's, then 2 epochs of 4 batches with two
     syncs a batch (its loader's, which hands out the batch, and its optimizer step's),
     each epoch's last step the framework's epoch end, then a teardown step. Epoch e,
     batch b starts at step 4 + 8e + 2(b - 1)."""
-    from tpunb.launcher.messages import Step
+    from tpunb.history import Step
 
     rows = [(None, None, False, None)] + [(None, None, True, None)] * 2
     rows += [(None, None, False, None)]

@@ -4,7 +4,7 @@ import collections
 
 import pytest
 import torch
-from conftest import in_forked_process
+from conftest import in_forked_process, run_python
 from torch.utils.data import (
     DataLoader,
     DistributedSampler,
@@ -150,6 +150,23 @@ def test_shard_in_the_notebook_itself_says_where_it_belongs():
     loader = DataLoader(_dataset, batch_size=2)
     with pytest.raises(tpunb.TpunbError, match="runs inside the function given to tpunb.launch"):
         tpunb.shard(loader)
+
+
+def test_shard_in_a_notebook_that_used_the_device_is_no_rank_either():
+    # The runtime runs in this process, but no xmp.spawn started it: world size 1, rank 0.
+    result = run_python(
+        """
+        import torch, tpunb, torch_xla
+        from torch.utils.data import DataLoader, TensorDataset
+        tpunb.simulate(cores=8)
+        torch_xla.device()
+        try:
+            tpunb.shard(DataLoader(TensorDataset(torch.arange(8)), batch_size=2))
+        except tpunb.TpunbError as error:
+            print("refused:", error)
+        """
+    )
+    assert "refused: shard(loader) runs inside the function given" in result.stdout, result.stderr
 
 
 def _train_through_shard(rank, model, loader, optimizer):

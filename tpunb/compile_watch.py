@@ -33,9 +33,10 @@ _FALLBACK_CAUSES = {
 }
 
 
-# What a step did, all ranks together: compilations, CPU fallbacks (op -> times), batch
-# shapes seen for the first time, and whether it was a framework's own step.
-_Register = collections.namedtuple("_Register", "compiles fallbacks new framework")
+# What a step did, all ranks together: compilations, CPU fallbacks (op -> times), the
+# steps the processes' ranks were in meanwhile (lowest, highest; None when unknown), and
+# whether one of them was in its work after its function returned.
+_Register = collections.namedtuple("_Register", "compiles fallbacks span closing")
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
@@ -81,6 +82,8 @@ class CompileWatch:
         self._last_step = float("inf")  # known once the launch ended
         self._registers = {}  # step -> _Register, until judged
         self._shapes = {}  # batch shape -> first step seen (ordered)
+        self._new_by_step = collections.defaultdict(list)  # step -> shapes first seen there
+        self._framework_steps = set()
         self._batch_sizes = collections.Counter()
         self._warned = set()
         self.compiles = self.warmup_compiles = 0
@@ -112,71 +115,81 @@ class CompileWatch:
         )
 
     def _analyse(self, through, final):
-        # A step is judged once the next one is complete too: where ranks share a process,
-        # the rank reading the counters may read them while another rank already compiles
-        # its next step, so a compilation can show up one step before its new shape.
+        # Compilations are counted per process, shapes per rank. Where ranks share a process
+        # they may be steps apart (no collective keeps them in step), so a compilation
+        # counted in the reporting rank's step can be another rank's, steps before or
+        # after. A step is judged once every step its process's ranks were in meanwhile,
+        # and the next, is complete: its compilations are blamed on a new shape there.
         while self._registered <= through:
             self._register(self._registered, self._pending.pop(self._registered, {}))
             self._registered += 1
-        last = self._registered - 1 if final else self._registered - 2
         warnings = []
-        while self._next_step <= last:
-            warnings += self._judge(self._next_step)
+        while self._next_step < self._registered:
+            register = self._registers[self._next_step]
+            highest = register.span[1] if register.span else self._next_step
+            if not final and highest + 1 >= self._registered:
+                break
+            warnings += self._warnings_at(self._next_step)
+            del self._registers[self._next_step]
             self._next_step += 1
         return warnings
 
     def _register(self, number, by_rank):
         framework = any(s.framework for s in by_rank.values())
-        if framework and not self._training_started:
-            self._warmup_end = max(self._warmup_end, number + 1 + self.warmup_steps)
+        if framework:
+            self._framework_steps.add(number)
+            if not self._training_started:
+                self._warmup_end = max(self._warmup_end, number + 1 + self.warmup_steps)
         if any(s.epoch == 0 and (s.epoch_batch or 0) <= WARMUP_BATCHES for s in by_rank.values()):
             self._warmup_end = max(self._warmup_end, number + 1)
         self._training_started |= any(s.epoch is not None for s in by_rank.values())
         reports = [s for s in by_rank.values() if s.compiles is not None]
+        spans = [s.process_steps for s in reports if s.process_steps is not None]
+        span = (min(lo for lo, _ in spans), max(hi for _, hi in spans)) if spans else None
         compiles = sum(s.compiles for s in reports)
         self.compiles += compiles
-        if number < self._warmup_end:
-            self.warmup_compiles += compiles
         self.compile_seconds += sum(s.compile_seconds for s in reports)
         fallbacks = collections.Counter()
         for s in reports:
             fallbacks.update(s.fallbacks)
         self.fallbacks.update(fallbacks)
-        new = []
         for rank in sorted(by_rank):
             for batch in by_rank[rank].shapes:
                 key = _shape_key(batch)
                 if key not in self._shapes:
                     self._shapes[key] = number
-                    new.append(key)
+                    self._new_by_step[number].append(key)
                 self._batch_sizes[key[0][0] if key[0] else 1] += 1
-        self._registers[number] = _Register(compiles, fallbacks, new, framework)
-
-    def _judge(self, number):
-        warnings = self._warnings_at(number)
-        self._registers.pop(number - 1, None)  # kept until now as a neighbour
-        return warnings
+        closing = any(s.process_closing for s in reports)
+        self._registers[number] = _Register(compiles, fallbacks, span, closing)
 
     def _warnings_at(self, number):
-        compiles, fallbacks, new, framework = self._registers[number]
+        compiles, fallbacks, span, closing = self._registers[number]
+        if number < self._warmup_end:
+            self.warmup_compiles += compiles
+            return []
         # A framework's own steps (Lightning's epoch ends, validation, teardown) compile
         # their graphs once, in code the notebook does not control.
-        if number < self._warmup_end or framework:
+        if number in self._framework_steps:
             return []
         causes = [(f"fallback {op}", self._fallback_message(number, op)) for op in fallbacks]
-        if compiles:
-            # The new shapes that explain the compilations: this step's, else a neighbour's.
-            shaped_at = next(
-                (n for n in (number, number + 1, number - 1) if self._new_at(n)), number
-            )
-            cause = self._compile_cause(shaped_at, compiles, self._new_at(shaped_at))
-            # Expected graphs of their own: the work after the function's loop (evaluating,
-            # gathering results) in the last step, and a framework step's work read a step
-            # early or run in the step after it.
+        lowest, highest = span or (number, number)
+        # The new shapes that explain the compilations: this step's, else the nearest of
+        # the steps the process's ranks were in meanwhile (and one either side).
+        around = sorted(range(lowest - 1, highest + 2), key=lambda n: abs(n - number))
+        shaped_at = next((n for n in around if self._new_at(n)), None)
+        if compiles and shaped_at is None and lowest < self._warmup_end:
+            self.warmup_compiles += compiles  # a rank was still in its warm-up
+        elif compiles:
+            new = self._new_at(shaped_at) if shaped_at is not None else []
+            cause = self._compile_cause(number if shaped_at is None else shaped_at, compiles, new)
+            # Expected graphs of their own: the work after a rank's function (evaluating,
+            # gathering results), the launch's last step, and a framework step's work read
+            # a step early or run in the step after it.
             expected = (
                 number == self._last_step
-                or self._framework_at(number + 1)
-                or self._framework_at(number - 1)
+                or closing
+                or any(n in self._framework_steps for n in around)
             )
             if cause[0] != "graph" or not expected:
                 causes.append(cause)
@@ -188,13 +201,11 @@ class CompileWatch:
                 warnings.append(message)
         return warnings
 
-    def _framework_at(self, number):
-        register = self._registers.get(number)
-        return register is not None and register.framework
+    def _shapes_through(self, number):
+        return sum(1 for first in self._shapes.values() if first <= number)
 
     def _new_at(self, number):
-        register = self._registers.get(number)
-        return register.new if register and number >= self._warmup_end else []
+        return self._new_by_step.get(number, []) if number >= self._warmup_end else []
 
     def _compile_cause(self, number, compiles, new):
         graphs = reports.count(compiles, "new graph")
@@ -216,8 +227,8 @@ class CompileWatch:
             )
         return "shapes", (
             f"step {number} compiled {graphs}: batch shape {_format(new[0])} not seen before; "
-            f"{reports.count(len(self._shapes), 'distinct shape')} so far. Every new shape "
-            "is a new graph to compile. Pad to buckets: DataLoader(..., collate_fn="
+            f"{reports.count(self._shapes_through(number), 'distinct shape')} so far. Every new "
+            "shape is a new graph to compile. Pad to buckets: DataLoader(..., collate_fn="
             "tpunb.BucketCollate(tpunb.choose_buckets(lengths, 4, batch_size=...))) gives at "
             "most 4 shapes."
         )

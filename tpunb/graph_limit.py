@@ -7,7 +7,6 @@ import typing
 
 from tpunb import cores
 from tpunb.errors import TpunbError, check_count
-from tpunb.launcher import recorder
 
 _FIX = (
     "Give the step fixed shapes: pad sequences to a few lengths "
@@ -28,7 +27,7 @@ def limit_graphs(step, max_graphs):
     dtypes of the step's tensor arguments instead: the cause the limit exists for.
     """
     check_count(max_graphs, "limit_graphs(step, max_graphs=...)", "graphs", 4)
-    if recorder.current() is None:
+    if not cores.in_rank():
         raise TpunbError(
             "limit_graphs(step, ...) wraps a step inside the function given to tpunb.launch: "
             "graphs are compiled by the ranks."

@@ -4,7 +4,37 @@ shapes, samples, compilations. Plain data, to plot again or save after the run."
 import dataclasses
 import json
 
-from tpunb.launcher.messages import Step
+
+@dataclasses.dataclass
+class Step:
+    """One step of one rank: what happened between two of its ``torch_xla.sync()``.
+
+    ``compiles``, ``cached``, ``compile_seconds`` and ``fallbacks`` are the process's
+    (torch_xla counts per process), set only on the rank that reports them (None on the
+    others), with where the process's ranks were meanwhile: ``process_steps`` (the lowest
+    and highest step they were in) and ``process_closing`` (one of them ran the work after
+    its function returned, e.g. computing its result). ``shapes`` has one entry a batch
+    the loader handed out in the step."""
+
+    step: int
+    time: float  # seconds since the launch started
+    values: dict
+    shapes: list
+    samples: int
+    compiles: int | None = None
+    cached: int | None = None
+    compile_seconds: float | None = None
+    fallbacks: dict | None = None
+    process_steps: tuple | None = None
+    process_closing: bool = False
+    # Progress through the first loader the rank iterated (its training loader): the
+    # epoch (0 for the first pass), batches handed out so far in it, and batches a pass
+    # (None when the loader has no length). None before that loader's first batch.
+    epoch: int | None = None
+    epoch_batch: int | None = None
+    epoch_batches: int | None = None
+    # A step of a framework's own setup or teardown (Lightning's), not of training.
+    framework: bool = False
 
 
 def _rates(steps, over):
@@ -29,7 +59,7 @@ def _rates(steps, over):
 
 class History:
     """``history.steps[rank]`` is the list of that rank's steps, in order (see
-    ``tpunb.launcher.messages.Step``). ``rows()`` flattens them to dicts; ``save`` and
+    ``Step``). ``rows()`` flattens them to dicts; ``save`` and
     ``load`` keep them as JSON; ``plot()`` draws loss, throughput and compilations per step."""
 
     def __init__(self, ranks):
@@ -110,6 +140,8 @@ class History:
         for row in saved["rows"]:
             rank = row.pop("rank")
             row["shapes"] = [[tuple(shape) for shape in batch] for batch in row["shapes"]]
+            if row.get("process_steps") is not None:
+                row["process_steps"] = tuple(row["process_steps"])
             history.add(rank, [Step(**row)])
         return history
 

@@ -19,10 +19,14 @@ _STEPS, _TIME, _PID, _THREAD, _DONE, _SLOTS = range(6)
 _rank = threading.local()  # in a rank's thread: (Heartbeat, rank)
 
 
+_RUNNING, _RETURNED, _FINISHED = 0, 1, 2  # a rank's state (_DONE slot)
+
+
 class Heartbeat:
     """Per rank: steps done, the monotonic time of the last one, its pid and thread id,
-    and whether it finished. Created before the fork (an anonymous shared mapping: no
-    file descriptor), written by the ranks, read by the parent."""
+    and whether its function returned and it finished. Created before the fork (an
+    anonymous shared mapping: no file descriptor), written by the ranks, read by the
+    parent and by the rank that reports its process's compilations."""
 
     def __init__(self, ranks):
         self.ranks = ranks
@@ -43,7 +47,11 @@ class Heartbeat:
         return int(self._values[_SLOTS * rank + _THREAD])
 
     def finished(self, rank):
-        return bool(self._values[_SLOTS * rank + _DONE])
+        return self._values[_SLOTS * rank + _DONE] == _FINISHED
+
+    def returned(self, rank):
+        """True once the rank's function returned or raised (its result is being sent)."""
+        return self._values[_SLOTS * rank + _DONE] >= _RETURNED
 
     def idle_seconds(self, ranks):
         """Seconds since the most recent progress of any of ``ranks``."""
@@ -58,9 +66,13 @@ class Heartbeat:
         self._values[base + _TIME] = time.monotonic()
         _rank.current = (self, rank)
 
+    def function_returned(self, rank):
+        """Called in a rank's thread once its function returned or raised."""
+        self._values[_SLOTS * rank + _DONE] = _RETURNED
+
     def finish(self, rank):
         """Called last in each rank's thread, whether it returned or raised."""
-        self._values[_SLOTS * rank + _DONE] = 1
+        self._values[_SLOTS * rank + _DONE] = _FINISHED
         _rank.current = None
 
     def close(self):

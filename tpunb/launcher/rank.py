@@ -59,11 +59,16 @@ def run(key, rank, work=None):
         work = functools.partial(_call_function, job)
     job.heartbeat.enter(rank)
     reports_compiles = job.compile_reporters.setdefault(os.getpid(), rank) == rank
-    steps = recorder.Recorder(rank, job.channel, job.start, reports_compiles)
+    steps = recorder.Recorder(
+        rank, job.channel, job.start, job.heartbeat if reports_compiles else None
+    )
     recorder.enter(steps)
     try:
         try:
-            result = work(rank)
+            try:
+                result = work(rank)
+            finally:
+                job.heartbeat.function_returned(rank)
             steps.finish()
         except BaseException as error:  # noqa: BLE001 - everything goes back to the notebook
             # The traceback starts in the user's function, not in this module.

@@ -4,11 +4,13 @@ notebook in batches (``messages.Steps``). A step's record holds the values given
 process, the process's new compilations, compile time and CPU fallback ops (torch_xla's
 metrics are per process)."""
 
+import os
 import threading
 import time
 
 from tpunb.errors import TpunbError
-from tpunb.launcher.messages import Step, Steps
+from tpunb.history import Step
+from tpunb.launcher.messages import Steps
 
 FLUSH_SECONDS = 0.5  # at most this long between a step and its record reaching the notebook
 _rank = threading.local()  # in a rank's thread: its Recorder
@@ -17,7 +19,8 @@ _rank = threading.local()  # in a rank's thread: its Recorder
 class Recorder:
     """A rank's steps: filled in its thread, sent over the launch's channel."""
 
-    def __init__(self, rank, channel, start, reports_compiles):
+    def __init__(self, rank, channel, start, heartbeat=None):
+        """``heartbeat``: given to the one rank a process that reports its compilations."""
         self.rank = rank
         self.channel = channel
         self.start = start
@@ -30,7 +33,7 @@ class Recorder:
         self._pass = None  # the device loader of the training loader's current pass
         self._unsent = []  # finished steps, device values not yet read back
         self._last_flush = time.monotonic()
-        self._counters = _CompileCounters() if reports_compiles else None
+        self._counters = _CompileCounters(heartbeat) if heartbeat is not None else None
         self._in_framework = False  # a framework's own steps, outside its training loop
 
     def log(self, values):
@@ -68,9 +71,7 @@ class Recorder:
             framework=self._in_framework,
         )
         if self._counters is not None:
-            record.compiles, record.cached, record.compile_seconds, record.fallbacks = (
-                self._counters.since_last()
-            )
+            self._counters.fill(record)
         self._unsent.append(record)
         self.step += 1
         self._values, self._shapes, self._samples = {}, [], 0
@@ -198,13 +199,40 @@ def _shapes(batch):
 
 class _CompileCounters:
     """torch_xla's compile and fallback counters of this process, as differences between
-    calls. Created in a rank: reading the metrics starts the runtime."""
+    calls, and where the process's ranks were meanwhile (from the heartbeat): where ranks
+    are threads without a collective between them, they drift apart, and a compilation
+    counted in this rank's step may be another rank's, many steps earlier or later, or
+    the work after its function (https://github.com/pytorch/xla/blob/v2.9.0/torch_xla/
+    csrc/xla_graph_executor.cpp counts UncachedCompile per process). Created in a rank:
+    reading the metrics starts the runtime."""
 
-    def __init__(self):
+    def __init__(self, heartbeat):
         import torch_xla.debug.metrics as met
 
         self._met = met
+        self._heartbeat = heartbeat
+        self._pid = os.getpid()
         self._last = self._read()
+        self._last_ranks = self._ranks()
+
+    def fill(self, record):
+        """Sets ``record``'s counters to what happened since the last call."""
+        record.compiles, record.cached, record.compile_seconds, record.fallbacks = self.since_last()
+        (steps, done, closing), before = self._ranks(), self._last_ranks
+        self._last_ranks = steps, done, closing
+        in_steps = steps + before[0] or [record.step]
+        record.process_steps = (min(in_steps), max(in_steps))
+        record.process_closing = closing or before[2] or done > before[1]
+
+    def _ranks(self):
+        """The steps this process's running ranks are in, how many returned, and whether
+        one is in its work after returning. Ranks not started yet may be this process's."""
+        beat = self._heartbeat
+        mine = [r for r in range(beat.ranks) if beat.pid(r) in (self._pid, None)]
+        running = [beat.step(r) for r in mine if not beat.returned(r)]
+        returned = [r for r in mine if beat.returned(r)]
+        closing = any(not beat.finished(r) for r in returned)
+        return running, len(returned), closing
 
     def _read(self):
         met = self._met
