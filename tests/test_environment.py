@@ -44,7 +44,7 @@ def test_tpu_generation_cores_and_launch_layout_come_from_pci(
         monkeypatch.delenv("TPU_ACCELERATOR_TYPE", raising=False)
     tpu = hardware.detect(_fake_pci(tmp_path, *[device_id] * chips))
     found = Layout(cores=tpu.cores, processes=tpu.chips, tpu=tpu)
-    report = Environment("colab", found, "3.11", "2.9.0", "2.9.0", False, ())
+    report = Environment("colab", found, tpu, "3.11", "2.9.0", "2.9.0", False, ())
     assert (tpu.accelerator_type, report.cores) == (name, cores)
     assert (report.processes, report.threads_per_process) == layout
 

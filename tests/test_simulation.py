@@ -2,7 +2,7 @@ import pytest
 from conftest import run_python
 
 import tpunb
-from tpunb.launcher.fallback_counters import PRIMED_OPS
+from tpunb.launcher.shared_process import PRIMED_OPS
 
 
 @pytest.mark.parametrize("cores", [0, -8, "8", 2.0, True])
@@ -102,7 +102,7 @@ def _fallback_counters_at_the_start(rank):
 @pytest.mark.parametrize("cores", [8, 1])
 def test_ranks_that_are_threads_start_with_the_fallback_counters_created(cores8, cores):
     # torch_xla creates them without a lock: threads creating one at once crashed the
-    # process (SIGSEGV), see tpunb/_fallback_counters.py.
+    # process (SIGSEGV), see tpunb/launcher/shared_process.py.
     results = tpunb.launch(_fallback_counters_at_the_start, cores=cores, live=False)
     created = 1 if cores > 1 else None  # a process of one rank needs none
     assert results == [(dict.fromkeys(PRIMED_OPS, created), 0)] * cores
@@ -112,8 +112,30 @@ def test_simulation_is_refused_on_a_machine_with_a_tpu(monkeypatch):
     from tpunb import hardware
 
     monkeypatch.setattr(hardware, "detect", lambda: hardware.Tpu("v5e", 8))
-    with pytest.raises(tpunb.TpunbError, match="has a TPU"):
+    with pytest.raises(tpunb.TpunbError, match="has a TPU") as refused:
         tpunb.simulate(cores=8)
+    assert "tpunb.simulate(cores=8, instead_of_tpu=True)" in str(refused.value)
+
+
+def test_a_learner_on_a_one_core_tpu_can_ask_for_8_simulated_cores_instead():
+    result = run_python(
+        """
+        import tpunb
+        from tpunb import hardware
+        from tpunb.launcher import preflight
+
+        hardware.detect = lambda: hardware.Tpu("v5e", 1)  # Colab's TPU
+        print(tpunb.env().warnings[-1])
+        report = tpunb.simulate(cores=8, instead_of_tpu=True)
+        print(report.cores, report.tpu, report.accelerator)
+        print(preflight.plan())
+        """
+    )
+    warning, simulated, plan = result.stdout.splitlines()
+    assert warning.startswith("Only 1 TPU core (Colab's TPU is a v5e-1 or a v6e-1)")
+    assert warning.endswith("tpunb.simulate(cores=8, instead_of_tpu=True)."), result.stderr
+    assert simulated == "8 None 8 TPU cores simulated on the CPU instead of this host's TPU v5e-1"
+    assert plan == "Plan(cores=8, simulated=True)"
 
 
 def test_torch_xla_imported_before_simulate_still_gets_working_collectives():

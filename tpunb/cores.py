@@ -42,12 +42,13 @@ class Layout:
 
 
 def available():
-    """The layout of a launch on this machine: its TPU, else the simulated cores, else None."""
+    """The layout of a launch on this machine: the simulated cores once ``tpunb.simulate``
+    ran (on a TPU host only when asked to replace the TPU), else its TPU, else None."""
+    if _simulated is not None:
+        return Layout(cores=_simulated, processes=1, tpu=None)
     tpu = hardware.detect()
     if tpu is not None:
         return Layout(cores=tpu.cores, processes=tpu.chips, tpu=tpu)
-    if _simulated is not None:
-        return Layout(cores=_simulated, processes=1, tpu=None)
     return None
 
 

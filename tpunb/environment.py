@@ -4,7 +4,7 @@ would go wrong, with the fix. Never starts the XLA runtime and never uses the ne
 import dataclasses
 import sys
 
-from tpunb import cores, platform, reports, versions
+from tpunb import cores, hardware, platform, reports, versions
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
@@ -13,6 +13,7 @@ class Environment(reports.Report):
 
     platform: str
     layout: object  # cores.Layout, or None without a TPU or a simulation
+    host_tpu: object  # hardware.Tpu on PCI, or None: the TPU even where cores are simulated
     python: str
     torch: object  # version string or None
     torch_xla: object  # version string or None
@@ -48,7 +49,10 @@ class Environment(reports.Report):
         if self.tpu is not None:
             return f"TPU {self.tpu.accelerator_type} ({self.tpu.chips} chips)"
         if self.simulated_cores:
-            return f"{self.simulated_cores} TPU cores simulated on the CPU"
+            simulated = f"{self.simulated_cores} TPU cores simulated on the CPU"
+            if self.host_tpu is not None:
+                simulated += f" instead of this host's TPU {self.host_tpu.accelerator_type}"
+            return simulated
         return "no TPU"
 
     def _rows(self):
@@ -72,6 +76,7 @@ def env():
     report = Environment(
         platform=platform.name(),
         layout=cores.available(),
+        host_tpu=hardware.detect(),
         python=sys.version.split()[0],
         torch=versions.installed("torch"),
         torch_xla=versions.installed("torch_xla"),
@@ -104,8 +109,10 @@ def _warnings(report):
         yield "No TPU here: call tpunb.simulate(cores=8) to simulate 8 TPU cores on the CPU."
     if report.cores == 1:
         yield (
-            "Only 1 TPU core: data parallelism has nothing to split. A v2-8, v3-8 or v5e-8 "
-            "has 8 cores."
+            "Only 1 TPU core (Colab's TPU is a v5e-1 or a v6e-1): data parallelism has nothing "
+            "to split here. Kaggle's TPU, a v5e-8, has 8. To watch 8 cores in this notebook, "
+            "simulate them on the host's CPU instead of the TPU (far slower): "
+            "tpunb.simulate(cores=8, instead_of_tpu=True)."
         )
     if report.threads_per_process > 1:
         yield (
@@ -119,9 +126,4 @@ def _warnings(report):
         yield (
             f"{names} preset (Kaggle does this) would break xmp.spawn; tpunb.launch removes "
             "them for the launch. Before a plain xmp.spawn, os.environ.pop() them."
-        )
-    if platform.in_kernel() and sys.version_info >= (3, 12):
-        yield (
-            "Python 3.12+ warns that forking a multi-threaded kernel may deadlock; xmp.spawn "
-            "must fork in a notebook, and the warning is expected."
         )

@@ -19,7 +19,7 @@ The machinery, one file a responsibility, in the order a launch meets it:
     heartbeat.py    per-rank progress in shared memory, stacks on demand, the watchdog
     failures.py     what a failure is reported as, with its likely cause
     processes.py    the launch's processes: recorded, found, killed
-    fallback_counters.py  torch_xla's fallback counters created before rank threads start
+    shared_process.py  a process whose ranks are threads, made ready before they start
 
 What tpunb.lightning uses (its launcher is Lightning's own): ``preflight.plan``,
 ``preflight.check_hang_timeout``, ``preflight.check_runtime_not_started``, ``base.Launcher``,

@@ -17,15 +17,19 @@ from tpunb.errors import TpunbWarning
 from tpunb.launcher import (
     channel,
     failures,
-    fallback_counters,
     heartbeat,
     hooks,
     processes,
     rank,
+    shared_process,
 )
 from tpunb.launcher.messages import Ended, Raised, Returned, Steps
 
 HANG_CHECK_SECONDS = 0.1
+# Python 3.12+ warns at every fork of a process with threads (a notebook kernel always has
+# some); xmp.spawn must fork from a notebook (README, "Notebook rules"), so a launch does
+# not repeat the warning in every cell.
+FORK_WARNING = r"This process \(pid=\d+\) is multi-threaded, use of fork\(\) may lead to deadlocks"
 
 
 class LaunchResults(list):
@@ -49,9 +53,15 @@ def supervise(plan, launcher, hang_timeout, view, fn=None, args=(), kwargs=None)
     )
     key = rank.register(job)
     try:
-        fallback_counters.install()  # ranks that are threads fall back together
+        shared_process.install()  # ranks that are threads race to fall back and to fork
         stacks = heartbeat.stacks_on_signal() if hang_timeout else contextlib.nullcontext()
-        with platform.spawn_variables_removed(), hooks.installed(), stacks as stacks:
+        with (
+            platform.spawn_variables_removed(),
+            hooks.installed(),
+            stacks as stacks,
+            warnings.catch_warnings(),
+        ):
+            warnings.filterwarnings("ignore", FORK_WARNING, DeprecationWarning)
             watchdog = heartbeat.Watchdog(job.heartbeat, hang_timeout, stacks)
             return _Supervisor(plan, job, key, launcher, watchdog, view).run()
     finally:

@@ -15,19 +15,26 @@ from tpunb.environment import env
 from tpunb.errors import TpunbError, check_count
 
 
-def simulate(cores=8):
+def simulate(cores=8, instead_of_tpu=False):
     """Simulate a TPU with ``cores`` cores on this machine's CPU, for every later launch.
 
     Selects torch_xla's CPU device with ``cores`` devices (``PJRT_DEVICE=CPU``,
     ``CPU_NUM_DEVICES``) and makes collectives between them work. Call it before
     anything touches the XLA device. Returns the environment report.
+
+    On a machine with a TPU it is refused unless ``instead_of_tpu=True``: then the launches
+    of this kernel run on the simulated cores, on the host's CPU (far slower than the TPU),
+    e.g. to watch 8 cores on Colab's one-core TPU. A new kernel uses the TPU again.
     """
     count = check_count(cores, "simulate(cores=...)", "cores", 8)
     tpu = hardware.detect()
-    if tpu is not None:
+    if tpu is not None and not instead_of_tpu:
         raise TpunbError(
-            f"This machine has a TPU ({tpu.accelerator_type}, {tpu.cores} cores): launch on it "
-            "directly with tpunb.launch(...). Simulation is for machines without a TPU."
+            f"This machine has a TPU ({tpu.accelerator_type}, {tpu.cores} "
+            f"{'core' if tpu.cores == 1 else 'cores'}): launch on it directly with "
+            "tpunb.launch(...). To simulate cores on this machine's CPU instead (far slower "
+            f"than the TPU; a new kernel uses the TPU again): tpunb.simulate(cores={count}, "
+            "instead_of_tpu=True)."
         )
     _check_torch_xla_version()
     if platform.runtime_started():
@@ -43,11 +50,11 @@ def simulate(cores=8):
     os.environ["XLA_THREAD_POOL_SIZE"] = str(pool_size)
     os.environ["PJRT_CPU_ASYNC_CLIENT"] = "false"
 
-    from tpunb.launcher import fallback_counters
+    from tpunb.launcher import shared_process
     from tpunb.simulation import collectives, lightning
 
     collectives.install()
-    fallback_counters.install()  # also for plain xmp.spawn and Lightning's launcher
+    shared_process.install()  # also for plain xmp.spawn and Lightning's launcher
     lightning.install(count)
     core_layout.set_simulated(count)
     return env()

@@ -1,0 +1,87 @@
+"""A launch process whose ranks are threads (all of them on the simulation, two a process
+on TPU v2 and v3 hosts) is made ready for them before they start: two races between its
+ranks, each of which killed launches, are taken out.
+
+1. torch_xla's CPU-fallback counters. torch_xla counts the ops that fall back to the CPU in
+   a map from op name to counter that has no lock (``_fallback_counters`` in
+   ``xla_fallback``, https://github.com/pytorch/xla/blob/v2.9.0/torch_xla/csrc/aten_cpu_fallback.cpp).
+   An op's first fallback in a process inserts its counter; two threads inserting at once
+   corrupt the map and the process dies with SIGSEGV in ``torch_xla::xla_fallback``. Ranks
+   fall back together: every rank of ``xm.rendezvous``, and so of each of PyTorch
+   Lightning's barriers, calls ``.item()`` at the same moment. On 8 simulated cores about 1
+   launch in 200 of 50 rendezvous each died so (docs/simulation.md). Once a counter exists
+   the threads only read the map, which is safe: the process runs the fallbacks training
+   code meets most once, on device data (nothing is compiled, and tpunb's per-step counts
+   start after them).
+
+2. Forks. A rank whose DataLoader has worker processes forks them from its thread, and the
+   ranks do so at the same moment (each epoch's first batch). On Python 3.12+ filelock
+   (imported by torch) refuses a fork while another thread's fork is under way: its audit
+   hook, which runs before any fork, raises "RuntimeError: os.fork is unsafe while
+   filelock is changing descriptor ownership" (``_audit_fork_safety`` in filelock/_api.py,
+   filelock 4.2). The process's ``os.fork`` takes a lock, so its ranks' forks follow each
+   other.
+"""
+
+import functools
+import os
+import threading
+
+from tpunb import cores
+
+# The ops whose first fallback is created up front: .item() / float(t) / a Python if on a
+# tensor, boolean masks and masked_select.
+PRIMED_OPS = ("aten::_local_scalar_dense", "aten::nonzero", "aten::masked_select")
+
+_fork_lock = threading.Lock()
+
+
+def install():
+    """Makes every ``xmp.spawn`` process with more than one rank get ready as above before
+    its rank threads start. Stays installed: it does nothing where a process runs one rank."""
+    import torch_xla._internal.pjrt as pjrt
+
+    if not getattr(pjrt.initialize_multiprocess, "prepares_shared_process", False):
+        pjrt.initialize_multiprocess = _then_prepare(pjrt.initialize_multiprocess)
+
+
+def _then_prepare(initialize):
+    # Keeps initialize's name: xmp.spawn pickles it by name to send it to the processes.
+    @functools.wraps(initialize)
+    def initialize_then_prepare(local_rank, local_world_size):
+        initialize(local_rank, local_world_size)
+        if cores.ranks_in_this_process() > 1:
+            create_counters()
+            forks_one_at_a_time()
+
+    initialize_then_prepare.prepares_shared_process = True
+    return initialize_then_prepare
+
+
+def create_counters():
+    """Runs each op of ``PRIMED_OPS`` once on this process's first device."""
+    import torch
+    import torch_xla
+
+    device = torch_xla.device()
+    values = torch.tensor([1.0, 0.0]).to(device)  # device data: nothing to compile
+    mask = torch.tensor([True, False]).to(device)
+    torch.tensor([1.0]).to(device).item()
+    torch.nonzero(values)
+    values.masked_select(mask)
+
+
+def forks_one_at_a_time():
+    """This process's ``os.fork`` (which multiprocessing calls) waits for any fork another
+    of its threads has under way."""
+    fork = os.fork
+    if getattr(fork, "one_at_a_time", False):
+        return
+
+    @functools.wraps(fork)
+    def fork_one_at_a_time():
+        with _fork_lock:  # the child's copy is released as it leaves this block too
+            return fork()
+
+    fork_one_at_a_time.one_at_a_time = True
+    os.fork = fork_one_at_a_time
