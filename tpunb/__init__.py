@@ -9,7 +9,7 @@ Importing tpunb imports neither torch_xla nor any plotting library and leaves
 ``os.environ`` alone; they are used only by the calls that need them.
 """
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 from tpunb.batches import (
     batch_report,

@@ -12,7 +12,7 @@ import io
 import time
 import warnings
 
-from tpunb import platform, plots
+from tpunb import platform, plots, versions
 from tpunb.errors import TpunbError, TpunbWarning
 from tpunb.snapshot import Snapshot
 
@@ -46,7 +46,8 @@ def resolve(live):
         if missing:
             raise TpunbError(
                 f"launch(live='widgets') needs {' and '.join(missing)}: pip install "
-                f"{' '.join(missing)} (or 'tpunb[plots]'), then restart the kernel."
+                f'{" ".join(missing)} (or "{versions.requirement("plots")}"), then restart the '
+                "kernel."
             )
         if not platform.in_kernel():
             raise TpunbError(

@@ -1,7 +1,7 @@
 """Figures of a launch's history: each logged value per core, samples/s per core and in
 total, and compilations per step. matplotlib is imported only when a figure is drawn."""
 
-from tpunb import platform
+from tpunb import platform, versions
 from tpunb.errors import TpunbError
 
 STEP = "step (one a torch_xla.sync, epoch ends included)"
@@ -17,7 +17,8 @@ def history_figure(history, width=10.0, panel_height=2.6, fixed_layout=False):
         from matplotlib.figure import Figure
     except ImportError:
         raise TpunbError(
-            "Plotting needs matplotlib: pip install 'tpunb[plots]' (or pip install matplotlib)."
+            "Plotting needs matplotlib: pip install matplotlib (or "
+            f'pip install "{versions.requirement("plots")}").'
         ) from None
     panels = [(name, _draw_values) for name in history.names()]
     if any(s.samples for steps in history.steps.values() for s in steps):

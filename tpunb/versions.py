@@ -4,13 +4,25 @@ package metadata without importing either."""
 import importlib.metadata
 import importlib.util
 
+# Where tpunb installs from: its source repository at the release tag of this version,
+# until tpunb is published on the package index (then the requirement is "tpunb==VERSION").
+# The README and the first cell of every notebook say the same; tests/test_packaging.py
+# keeps them so, and the tag equal to tpunb.__version__.
+INSTALL_FROM = "git+https://github.com/tpunb/tpunb@v0.2.0"
+
 # The simulation's collective fix touches private torch_xla names that these versions have
 # (Kaggle's image ships 2.8, Colab's 2.9).
 SUPPORTED_TORCH_XLA = ("2.8", "2.9")
 
+
+def requirement(extras=""):
+    """What to give pip for tpunb, e.g. ``requirement("sim")``."""
+    return f"tpunb[{extras}] @ {INSTALL_FROM}" if extras else f"tpunb @ {INSTALL_FROM}"
+
+
 INSTALL_TORCH_XLA = (
     "torch_xla is not installed. On a TPU VM: pip install 'torch_xla[tpu]'. Without a TPU, "
-    "to simulate cores on the CPU, install the pinned pair: pip install 'tpunb[sim]' "
+    f'to simulate cores on the CPU, install the pinned pair: pip install "{requirement("sim")}" '
     "(torch==2.9.0 and torch_xla==2.9.0)."
 )
 
