@@ -54,6 +54,12 @@ def test_the_sdist_and_the_wheel_pass_twine_and_install_alone(tmp_path):
     wheel = dist / names[0]
     with zipfile.ZipFile(wheel) as archive:
         metadata = archive.read(f"tpunb-{version}.dist-info/METADATA").decode()
+        scripts = archive.read(f"tpunb-{version}.dist-info/entry_points.txt").decode()
+        lessons = sorted(n for n in archive.namelist() if n.startswith("tpunb/_lessons/"))
+    # The lessons travel with the wheel, for tpunb-lessons.
+    shipped = sorted(p.name for p in (ROOT / "notebooks").glob("*.ipynb"))
+    assert [n for n in lessons if n.endswith(".ipynb")] == [f"tpunb/_lessons/{n}" for n in shipped]
+    assert "tpunb-lessons = tpunb.lessons:main" in scripts
     # torch and torch_xla come only with an extra: Colab's and Kaggle's stay as they are.
     requires = [line for line in metadata.splitlines() if line.startswith("Requires-Dist:")]
     assert requires and all("extra ==" in line for line in requires)
