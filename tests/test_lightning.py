@@ -2,6 +2,7 @@
 sampler, checked against tpunb.launch + shard() on the same batches."""
 
 import copy
+import logging
 import warnings
 
 import pytest
@@ -161,11 +162,17 @@ def test_the_live_callback_feeds_history_compile_watch_and_text_view(cores8, tmp
     _assert_trained_like(model, _reference(network, epochs=2), network)
 
 
-def test_fit_again_needs_a_new_trainer_and_continues_from_the_trained_weights(cores8, tmp_path):
+def test_fit_again_needs_a_new_trainer_and_continues_from_the_trained_weights(
+    cores8, tmp_path, caplog
+):
     network = _network()
     model = Regression(network)
-    trainer = tpunb.lightning.trainer(max_epochs=1, live=False, **_quiet(tmp_path))
-    trainer.fit(model, DataLoader(Indexed(), batch_size=BATCH))
+    with caplog.at_level(logging.INFO):
+        trainer = tpunb.lightning.trainer(max_epochs=1, live=False, **_quiet(tmp_path))
+        trainer.fit(model, DataLoader(Indexed(), batch_size=BATCH))
+    # Lightning's INFO lines (the hardware found, a tip, "fit stopped") add nothing to a run
+    # tpunb shows; in a notebook each came twice.
+    assert [r.getMessage() for r in caplog.records if r.levelno == logging.INFO] == []
     with pytest.raises(tpunb.TpunbError, match="cannot fit the same Trainer twice"):
         trainer.fit(model, DataLoader(Indexed(), batch_size=BATCH))
 

@@ -15,7 +15,9 @@ the view. Requires the ``lightning`` package (``pip install lightning``, which k
 installed torch).
 """
 
+import contextlib
 import importlib.util
+import logging
 
 from tpunb import live as live_view
 from tpunb import metrics, migration
@@ -32,6 +34,16 @@ if importlib.util.find_spec("lightning") is None:
 import lightning.pytorch as pl  # noqa: E402
 from lightning.pytorch.strategies.launchers.xla import _XLALauncher  # noqa: E402
 from lightning.pytorch.trainer.states import TrainerFn  # noqa: E402
+
+# Lightning's loggers: their INFO lines (the hardware found, a cloud-logging tip, "fit
+# stopped") say nothing the live view does not, and show twice in notebooks, where
+# torch_xla's import adds a root handler (logging.basicConfig). Warnings still show.
+LIGHTNING_LOGGERS = (
+    "lightning.pytorch",
+    "lightning.fabric",
+    "pytorch_lightning",
+    "lightning_fabric",
+)
 
 # Metrics logged with self.log(...) whose names start so are not training metrics.
 NOT_TRAINING = ("val", "test", "predict")
@@ -129,7 +141,8 @@ def trainer(*, live="auto", hang_timeout=600, **trainer_arguments):
     callbacks = list(trainer_arguments.pop("callbacks", None) or [])
     if not any(isinstance(callback, LiveCallback) for callback in callbacks):
         callbacks.append(LiveCallback())
-    built = pl.Trainer(callbacks=callbacks, **trainer_arguments)
+    with _without_info_lines():
+        built = pl.Trainer(callbacks=callbacks, **trainer_arguments)
     strategy = built.strategy
     if not isinstance(strategy.launcher, _XLALauncher):
         raise TpunbError(
@@ -138,6 +151,19 @@ def trainer(*, live="auto", hang_timeout=600, **trainer_arguments):
         )
     strategy._launcher = _WatchedXLALauncher(strategy, plan, mode, hang_timeout)
     return built
+
+
+@contextlib.contextmanager
+def _without_info_lines():
+    loggers = [logging.getLogger(name) for name in LIGHTNING_LOGGERS]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(max(logger.getEffectiveLevel(), logging.WARNING))
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels, strict=True):
+            logger.setLevel(level)
 
 
 class _WatchedXLALauncher(_XLALauncher):
@@ -163,7 +189,8 @@ class _WatchedXLALauncher(_XLALauncher):
             )
         preflight.check_runtime_not_started()
         ranks = _LightningRanks(self, function, args, trainer, kwargs)
-        results = supervisor.supervise(self._plan, ranks, self._hang_timeout, self._mode)
+        with _without_info_lines():  # in the ranks too: the fork copies the levels
+            results = supervisor.supervise(self._plan, ranks, self._hang_timeout, self._mode)
         callbacks = trainer.callbacks if trainer is not None else []
         for callback in callbacks:
             if isinstance(callback, LiveCallback):
