@@ -64,11 +64,6 @@ def count(cores=None):
     return layout.cores
 
 
-def simulated():
-    """The number of simulated cores, or None when ``tpunb.simulate`` has not been called."""
-    return _simulated
-
-
 def set_simulated(cores):
     """Called by ``tpunb.simulate`` once the simulation is set up."""
     global _simulated
