@@ -1,7 +1,9 @@
 """The simulation: N TPU cores on the CPU with the real torch_xla (docs/simulation.md).
 
     __init__.py     simulate(cores): the environment torch_xla reads, then the patches
-    collectives.py  torch_xla.sync and collectives that complete between threads
+    collectives.py  each collective a graph of its own that the ranks run together
+    point_to_point.py  xm.send and xm.recv through host memory
+    process_groups.py  torch.distributed's default process group, one per core
     lightning.py    PyTorch Lightning's TPU accelerator opened to the simulated cores
 
 Nothing here is applied on a machine with a TPU: ``simulate`` refuses to run there.
@@ -51,9 +53,11 @@ def simulate(cores=8, instead_of_tpu=False):
     os.environ["PJRT_CPU_ASYNC_CLIENT"] = "false"
 
     from tpunb.launcher import shared_process
-    from tpunb.simulation import collectives, lightning
+    from tpunb.simulation import collectives, lightning, point_to_point, process_groups
 
     collectives.install()
+    point_to_point.install()
+    process_groups.install()
     shared_process.install()  # also for plain xmp.spawn and Lightning's launcher
     lightning.install(count)
     core_layout.set_simulated(count)

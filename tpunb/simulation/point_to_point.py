@@ -1,0 +1,54 @@
+"""``xm.send`` and ``xm.recv`` between simulated cores, carried through host memory.
+
+Used only under ``tpunb.simulate``. A send and its recv are made by two different ranks,
+so they never form the same graph, and XLA's CPU backend has no Send or Recv at all (its
+``ThunkEmitter`` emits neither). The ranks are threads of one process here, so a send puts
+its value in a mailbox named by the channel id and the recv with that channel id takes it
+from there, in the order sent: the values a TPU would carry, without the XLA op.
+"""
+
+import collections
+import functools
+import threading
+
+import torch
+import torch_xla.core.xla_model as xm
+
+_mailboxes = collections.defaultdict(collections.deque)
+_arrived = threading.Condition()
+
+
+def install():
+    if getattr(xm.send, "through_host", False):
+        return
+    xm.send = _through_host(send)
+    xm.recv = _through_host(recv)
+
+
+def _through_host(function):
+    function.through_host = True
+    return function
+
+
+def send(value: torch.Tensor, channel_id: int) -> torch.Tensor:
+    """``xm.send``: the recv with ``channel_id`` on another rank gets ``value``."""
+    copy = value.detach().cpu()  # runs what the rank traced for it
+    with _arrived:
+        _mailboxes[channel_id].append(copy)
+        _arrived.notify_all()
+    return value
+
+
+def recv(output: torch.Tensor, channel_id: int) -> torch.Tensor:
+    """``xm.recv``: a tensor shaped like ``output`` holding what the send with
+    ``channel_id`` sent (waits for it)."""
+    with _arrived:
+        _arrived.wait_for(functools.partial(bool, _mailboxes[channel_id]))
+        value = _mailboxes[channel_id].popleft()
+    if value.shape != output.shape or value.dtype != output.dtype:
+        raise ValueError(
+            f"xm.recv(output, channel_id={channel_id}): the send on this channel sent "
+            f"{value.dtype} {list(value.shape)}, and output is {output.dtype} "
+            f"{list(output.shape)}. Give recv an output of the shape and dtype sent."
+        )
+    return value.to(output.device)
