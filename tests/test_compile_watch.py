@@ -96,7 +96,10 @@ def test_four_buckets_compile_at_most_four_step_graphs_after_the_warm_up(naive_a
     compiles = bucketed.compiles
     assert len({shape[0][1] for shape in compiles.shapes}) <= 4
     assert compiles.compiles_after_warmup <= 4
-    assert compiles.compiles < naive.compiles.compiles / 3
+    # Each batch shape the buckets remove is a compilation saved.
+    removed_shapes = len(naive.compiles.shapes) - len(compiles.shapes)
+    assert removed_shapes >= 16
+    assert naive.compiles.compiles - compiles.compiles >= removed_shapes
     assert len([m for m in messages if "not seen before" in m]) <= 1
 
 

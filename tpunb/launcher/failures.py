@@ -72,7 +72,7 @@ def raised_error(failures):
     others = sorted(set(failures) - {first})
     message = f"rank {first} {failure.description}"
     if others:
-        message += f"\n(ranks {span(others)} failed too)"
+        message += f"\n({'rank' if len(others) == 1 else 'ranks'} {span(others)} failed too)"
     if failure.traceback:
         message += f"\n\nTraceback from rank {first}:\n{failure.traceback.rstrip()}"
     return RankError(message, ranks=sorted(failures), remote_traceback=failure.traceback)

@@ -76,7 +76,9 @@ class Recorder:
         self.step += 1
         self._values, self._shapes, self._samples = {}, [], 0
         if time.monotonic() - self._last_flush >= FLUSH_SECONDS:
-            self.flush()
+            # The process's reporter keeps its last step back: the counts of the ranks
+            # still running after it join that step at the end (finish).
+            self.flush(keep_last=self._counters is not None)
 
     def training_data(self, dataset):
         """Names the training loader's dataset, when another loader may be read first
@@ -104,14 +106,16 @@ class Recorder:
                 self._epoch_batches = None
         self._epoch_batch += 1
 
-    def flush(self):
-        """Reads the logged device values back in one transfer and sends the steps."""
+    def flush(self, keep_last=False):
+        """Reads the logged device values back in one transfer and sends the steps (all
+        but the last one if ``keep_last``)."""
         self._last_flush = time.monotonic()
-        if not self._unsent:
+        sending = self._unsent[:-1] if keep_last else self._unsent
+        if not sending:
             return
-        _read_back([record.values for record in self._unsent])
-        self.channel.send(Steps(self.rank, self._unsent))
-        self._unsent = []
+        _read_back([record.values for record in sending])
+        self.channel.send(Steps(self.rank, sending))
+        self._unsent = self._unsent[len(sending) :]
 
     def flush_finished_steps(self):
         """After an error in the rank: sends the steps that ended with a sync (their
@@ -131,6 +135,10 @@ class Recorder:
                 torch_xla.sync()  # ends the step through the hook, which records it
             else:
                 self.end_step()
+        if self._counters is not None and self._unsent:
+            # What the process's other ranks compiled and ran on the CPU after this rank's
+            # last step (threads drift apart after their last collective).
+            self._counters.after_last_step(self._unsent[-1])
         self.flush()
 
 
@@ -223,6 +231,20 @@ class _CompileCounters:
         in_steps = steps + before[0] or [record.step]
         record.process_steps = (min(in_steps), max(in_steps))
         record.process_closing = closing or before[2] or done > before[1]
+
+    def after_last_step(self, record):
+        """Adds to ``record`` (the reporter's last step) what the process did until all its
+        ranks returned."""
+        beat = self._heartbeat
+        mine = [r for r in range(beat.ranks) if beat.pid(r) == self._pid]
+        while not all(beat.returned(r) for r in mine):
+            time.sleep(0.01)
+        compiles, cached, seconds, fallbacks = self.since_last()
+        record.compiles += compiles
+        record.cached += cached
+        record.compile_seconds += seconds
+        for name, count in fallbacks.items():
+            record.fallbacks[name] = record.fallbacks.get(name, 0) + count
 
     def _ranks(self):
         """The steps this process's running ranks are in, how many returned, and whether

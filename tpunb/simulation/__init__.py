@@ -4,6 +4,7 @@
     collectives.py  each collective a graph of its own that the ranks run together
     point_to_point.py  xm.send and xm.recv through host memory
     process_groups.py  torch.distributed's default process group, one per core
+    random_state.py  torch's random generator for each core's setup
     lightning.py    PyTorch Lightning's TPU accelerator opened to the simulated cores
 
 Nothing here is applied on a machine with a TPU: ``simulate`` refuses to run there.
@@ -53,11 +54,18 @@ def simulate(cores=8, instead_of_tpu=False):
     os.environ["PJRT_CPU_ASYNC_CLIENT"] = "false"
 
     from tpunb.launcher import shared_process
-    from tpunb.simulation import collectives, lightning, point_to_point, process_groups
+    from tpunb.simulation import (
+        collectives,
+        lightning,
+        point_to_point,
+        process_groups,
+        random_state,
+    )
 
     collectives.install()
     point_to_point.install()
     process_groups.install()
+    random_state.install()
     shared_process.install()  # also for plain xmp.spawn and Lightning's launcher
     lightning.install(count)
     core_layout.set_simulated(count)

@@ -45,15 +45,20 @@ rank alone (printing, evaluation on rank 0) behaves as upstream.
 
 import functools
 import os
+import sys
 import threading
+import traceback
 
 import torch
 import torch_xla
 import torch_xla.core.xla_model as xm
 import torch_xla.runtime as xr
+import torch_xla.torch_xla as torch_xla_module
 import torch_xla.utils.utils as xu
 
+from tpunb import cores
 from tpunb.errors import TpunbError
+from tpunb.simulation import random_state
 
 # The primitives every Python collective (xm.*, torch.distributed's XLA backend,
 # torch_xla.core.functions, SyncBatchNorm) reaches, with xm.all_reduce, whose default path
@@ -85,13 +90,14 @@ _rounds_lock = threading.Lock()
 
 
 class _Round:
-    """The ranks of one process meeting at their collectives: a barrier, and each rank's
-    description of the call it is making."""
+    """The ranks of one process meeting at their collectives: a barrier, each rank's
+    description of the call it is making, and how far each rank is."""
 
     def __init__(self, ranks):
         self.barrier = threading.Barrier(ranks)
         self.calls = [None] * ranks
-        self.counts = [0] * ranks
+        self.collectives = [0] * ranks
+        self.steps = [1] * ranks
 
 
 def install():
@@ -101,6 +107,21 @@ def install():
     for name in COLLECTIVE_PRIMITIVES:
         setattr(torch_xla._XLAC, name, _own_graph(getattr(torch_xla._XLAC, name)))
     xm.all_reduce = _own_graph(xm.all_reduce)
+    torch_xla.sync = torch_xla_module.sync = _counting_steps(torch_xla_module.sync)
+
+
+def _counting_steps(sync):
+    """``torch_xla.sync`` that counts each rank's steps, for the mismatch message."""
+
+    @functools.wraps(sync)
+    def sync_ending_a_step(*args, **kwargs):
+        result = sync(*args, **kwargs)
+        if cores.in_rank():
+            random_state.done_drawing()
+            _round().steps[xr.global_ordinal()] += 1
+        return result
+
+    return sync_ending_a_step
 
 
 def _own_graph(collective):
@@ -108,6 +129,7 @@ def _own_graph(collective):
     def call(*args, **kwargs):
         if getattr(_calls, "under_way", False) or _dynamo_is_tracing():
             return collective(*args, **kwargs)
+        random_state.done_drawing()
         _run_pending_work()
         _calls.under_way = True
         try:
@@ -140,10 +162,10 @@ def _run_together(call):
     device = torch_xla._XLAC._xla_get_default_device()
     meeting = _round()
     rank = xr.global_ordinal()
-    meeting.counts[rank] += 1
-    meeting.calls[rank] = (rank, call)
+    meeting.collectives[rank] += 1
+    meeting.calls[rank] = (call, _caller())
     meeting.barrier.wait()  # every rank has described its call; none dispatched yet
-    _check_same_call(meeting.calls, meeting.counts[rank])
+    _check_same_call(meeting)
     with _dispatch_lock:
         torch_xla._XLAC._xla_step_marker(device, [], wait=False, reset_scope=True)
     meeting.barrier.wait()
@@ -152,20 +174,43 @@ def _run_together(call):
     torch_xla._XLAC._set_all_reduce_token(device, None)
 
 
-def _check_same_call(calls, number):
-    first_rank, first = calls[0]
-    odd = [(rank, call) for rank, call in calls if call != first]
+def _check_same_call(meeting):
+    first = meeting.calls[0][0]
+    odd = [rank for rank, (call, _) in enumerate(meeting.calls) if call != first]
     if not odd:
         return
-    lines = [f"rank {first_rank}: {first}"] + [f"rank {rank}: {call}" for rank, call in odd]
+    lines = [
+        f"rank {rank}, step {meeting.steps[rank]}: {meeting.calls[rank][0]} "
+        f"{meeting.calls[rank][1]}"
+        for rank in [0, *odd]
+    ]
     raise CollectiveMismatch(
-        f"At their collective call number {number}, the ranks made different calls, which "
-        "cannot meet (on a TPU they would wait for each other forever):\n  "
+        f"The ranks made different calls as their collective number "
+        f"{meeting.collectives[0]}, so they cannot meet (on a TPU they would wait for each "
+        "other forever):\n  "
         + "\n  ".join(lines)
         + "\nEvery rank must make the same collective calls in the same order, with tensors of "
         "the same shape and dtype (e.g. drop_last=True on the DataLoader, or pad the last "
         "batch)."
     )
+
+
+def _caller():
+    """Where the program called the collective: the innermost frame outside torch,
+    torch_xla and tpunb, and the function it called there (e.g. xm.all_gather)."""
+    libraries = tuple(
+        os.path.dirname(module.__file__) + os.sep
+        for module in (torch, torch_xla, sys.modules["tpunb"])
+    )
+    entry = None
+    for frame in reversed(traceback.extract_stack()):
+        if frame.filename.startswith(libraries) or "/threading.py" in frame.filename:
+            if not frame.filename.startswith(os.path.dirname(__file__)):
+                entry = frame.name
+            continue
+        where = f"called from {frame.filename}, line {frame.lineno}, in {frame.name}"
+        return f"(in {entry}), {where}" if entry else where
+    return "called inside torch_xla"
 
 
 def _describe(name, args, kwargs):
