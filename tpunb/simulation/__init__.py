@@ -2,6 +2,7 @@
 
     __init__.py     simulate(cores): the environment torch_xla reads, then the patches
     collectives.py  each collective a graph of its own that the ranks run together
+    compiled.py     torch.compile in ranks that share a process
     point_to_point.py  xm.send and xm.recv through host memory
     process_groups.py  torch.distributed's default process group, one per core
     random_state.py  torch's random generator for each core's setup
@@ -56,6 +57,7 @@ def simulate(cores=8, instead_of_tpu=False):
     from tpunb.launcher import shared_process
     from tpunb.simulation import (
         collectives,
+        compiled,
         lightning,
         point_to_point,
         process_groups,
@@ -63,6 +65,7 @@ def simulate(cores=8, instead_of_tpu=False):
     )
 
     collectives.install()
+    compiled.install()
     point_to_point.install()
     process_groups.install()
     random_state.install()

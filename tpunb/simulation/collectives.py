@@ -125,9 +125,12 @@ def _counting_steps(sync):
 
 
 def _own_graph(collective):
+    # torch.compile runs the call as it is, between the graphs it compiles before and after:
+    # dynamo must not trace it into a graph of its own (torch._dynamo.disable).
+    @torch._dynamo.disable
     @functools.wraps(collective)
     def call(*args, **kwargs):
-        if getattr(_calls, "under_way", False) or _dynamo_is_tracing():
+        if getattr(_calls, "under_way", False):
             return collective(*args, **kwargs)
         random_state.done_drawing()
         _run_pending_work()
@@ -141,11 +144,6 @@ def _own_graph(collective):
 
     call.own_graph = True
     return call
-
-
-def _dynamo_is_tracing():
-    # torch.compile traces the call into its graph; the compiled graph runs it.
-    return torch.compiler.is_compiling()
 
 
 def _run_pending_work():
@@ -205,7 +203,7 @@ def _caller():
     entry = None
     for frame in reversed(traceback.extract_stack()):
         if frame.filename.startswith(libraries) or "/threading.py" in frame.filename:
-            if not frame.filename.startswith(os.path.dirname(__file__)):
+            if frame.filename.startswith(libraries[1]):  # torch_xla's own function
                 entry = frame.name
             continue
         where = f"called from {frame.filename}, line {frame.lineno}, in {frame.name}"
