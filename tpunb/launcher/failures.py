@@ -36,10 +36,9 @@ _SIGNAL_CAUSES = {
 
 _SIMULATED_ABORT = (
     "on simulated cores this is usually a collective that never completed: XLA waits 10 s "
-    "for every rank to join, then aborts. All ranks must reach the collective, build the "
-    "same graph from it to the next torch_xla.sync() (no rank-dependent Python numbers in "
-    "it, e.g. x * rank: send them as tensors), and read its result (.item(), .cpu(), print) "
-    "only after torch_xla.sync()"
+    "for every rank to join, then aborts. Every rank must reach each collective; one that "
+    "stopped or took another path leaves the others waiting (on a TPU they would wait "
+    "forever)"
 )
 
 

@@ -38,8 +38,10 @@ def install():
     bridge.extract_compiled_graph = _one_at_a_time(bridge.extract_compiled_graph)
     tracer = symbolic_trace.Tracer
     tracer.trace = _marking_this_thread(tracer.trace)
-    symbolic_trace.is_fx_tracing = _in_this_thread(symbolic_trace.is_fx_tracing)
-    symbolic_trace.is_fx_symbolic_tracing = _in_this_thread(symbolic_trace.is_fx_symbolic_tracing)
+    # torch 2.9's dynamo asks is_fx_symbolic_tracing, torch 2.8's is_fx_tracing.
+    for name in ("is_fx_tracing", "is_fx_symbolic_tracing"):
+        if hasattr(symbolic_trace, name):
+            setattr(symbolic_trace, name, _in_this_thread(getattr(symbolic_trace, name)))
 
 
 def _one_at_a_time(extract):
