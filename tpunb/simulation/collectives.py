@@ -54,7 +54,6 @@ import torch_xla
 import torch_xla.core.xla_model as xm
 import torch_xla.runtime as xr
 import torch_xla.torch_xla as torch_xla_module
-import torch_xla.utils.utils as xu
 
 from tpunb import cores
 from tpunb.errors import TpunbError
@@ -167,8 +166,6 @@ def _run_together(call):
     with _dispatch_lock:
         torch_xla._XLAC._xla_step_marker(device, [], wait=False, reset_scope=True)
     meeting.barrier.wait()
-    if xu.getenv_as("XLA_SYNC_WAIT", bool, False):
-        xm.wait_device_ops()
     torch_xla._XLAC._set_all_reduce_token(device, None)
 
 
