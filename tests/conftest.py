@@ -11,6 +11,10 @@ import pytest
 
 import tpunb
 
+# TPU programs written without tpunb: test_programs_without_tpunb.py runs them as their
+# authors would, not as part of this collection.
+collect_ignore = ["third_party"]
+
 
 @pytest.fixture(autouse=True)
 def restore_environment():

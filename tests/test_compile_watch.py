@@ -2,6 +2,7 @@
 their causes, and the fixes (buckets, a padded last batch, a graph limit)."""
 
 import copy
+import os
 import re
 import time
 import warnings
@@ -68,10 +69,15 @@ def _losses(history):
 
 @pytest.fixture(scope="module")
 def naive_and_bucketed():
-    tpunb.simulate(cores=8)
-    naive = _train(tpunb.BucketCollate(range(1, LENGTHS.stop)))  # pad to the batch's longest
-    lengths = [len(sequence) for sequence, _ in _sequences()]
-    bucketed = _train(tpunb.BucketCollate(tpunb.choose_buckets(lengths, 4, batch_size=8)))
+    saved = dict(os.environ)  # simulate's variables must not reach the later tests
+    try:
+        tpunb.simulate(cores=8)
+        naive = _train(tpunb.BucketCollate(range(1, LENGTHS.stop)))  # pad to the longest
+        lengths = [len(sequence) for sequence, _ in _sequences()]
+        bucketed = _train(tpunb.BucketCollate(tpunb.choose_buckets(lengths, 4, batch_size=8)))
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
     return naive, bucketed
 
 

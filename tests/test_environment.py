@@ -1,10 +1,11 @@
 import importlib.metadata
+import os
 
 import pytest
 from conftest import run_python
 
 import tpunb
-from tpunb import hardware, platform
+from tpunb import environment, hardware, platform
 from tpunb.cores import Layout
 from tpunb.environment import Environment
 
@@ -99,9 +100,17 @@ def test_report_of_simulated_cores_as_text_and_html(cores8):
     assert "<table>" in html and "1 process x 8 threads" in html
 
 
-def test_kaggle_presets_are_flagged(monkeypatch):
+def test_kaggle_presets_are_flagged_where_a_tpu_would_read_them(tmp_path, monkeypatch, cores8):
     monkeypatch.setenv("TPU_PROCESS_ADDRESSES", "local")
-    assert any("TPU_PROCESS_ADDRESSES='local'" in w for w in tpunb.env().warnings)
+    tpu = hardware.detect(_fake_pci(tmp_path, *["0x0063"] * 8))  # Kaggle's v5e-8
+    report = Environment(
+        "kaggle", Layout(cores=8, processes=8, tpu=tpu), tpu, "3.12", "2.8.0", "2.8.0", False, ()
+    )
+    assert any("TPU_PROCESS_ADDRESSES='local'" in w for w in environment._warnings(report))
+    # simulate() presets them as Kaggle's image does (its notebooks pop them); the
+    # simulated cores never read them.
+    assert os.environ["CLOUD_TPU_TASK_ID"] == "0"
+    assert not any("TPU_PROCESS_ADDRESSES" in w for w in tpunb.env().warnings)
 
 
 def test_report_never_starts_the_runtime_and_sees_when_it_was_started():

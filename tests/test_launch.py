@@ -1,5 +1,6 @@
 import gc
 import os
+import re
 import signal
 import threading
 import time
@@ -261,26 +262,48 @@ def _skips_a_collective(rank, blocks):
     return rank
 
 
-@pytest.mark.parametrize("blocks", [False, True], ids=["skips-collective", "blocks-forever"])
-def test_a_hang_is_reported_with_steps_and_stacks_then_stopped(cores8, no_children_left, blocks):
+def test_a_hang_is_reported_with_steps_and_stacks_then_stopped(cores8, no_children_left):
     start = time.monotonic()
     with pytest.raises(tpunb.RankError) as caught:
-        tpunb.launch(_skips_a_collective, blocks, hang_timeout=2)
+        tpunb.launch(_skips_a_collective, True, hang_timeout=2)
     assert time.monotonic() - start < 8  # before XLA's own 10 s abort
     error = caught.value
     others = [r for r in range(8) if r != 3]
     assert "No rank finished a step for 2 s (hang_timeout=2)" in str(error)
     assert "ranks 0, 1, 2, 4, 5, 6, 7: after step 1, waiting in a collective" in str(error)
-    if blocks:
-        assert error.ranks == tuple(range(8))
-        assert "rank 3: after step 1, in File" in str(error) and "in _skips_a_collective" in str(
-            error
-        )
-        assert "time.sleep(600)" not in error.stacks[3]  # faulthandler gives lines, not source
-        assert "_skips_a_collective" in error.stacks[3]
-    else:
-        assert error.ranks == tuple(others)
+    assert error.ranks == tuple(range(8))
+    assert "rank 3: after step 1, in File" in str(error) and "in _skips_a_collective" in str(error)
+    assert "time.sleep(600)" not in error.stacks[3]  # faulthandler gives lines, not source
+    assert "_skips_a_collective" in error.stacks[3]
     assert all("tpunb/simulation/collectives.py" in error.stacks[r] for r in others)
+
+
+def test_a_rank_that_ends_before_a_collective_stops_the_others_at_once(cores8, no_children_left):
+    # On a TPU the others would wait for rank 3 forever; the simulation knows it has ended.
+    start = time.monotonic()
+    with pytest.raises(tpunb.RankError) as caught:
+        tpunb.launch(_skips_a_collective, False, hang_timeout=60)
+    assert time.monotonic() - start < 8
+    assert re.match(
+        r"rank \d raised RankEnded: all_reduce\('sum', float32\[1\]\) called from .*"
+        r"\(collective number 2, step 2\) can never complete: rank 3 has ended \(it returned\)",
+        str(caught.value),
+    )
+
+
+def _fails_before_a_collective(rank):
+    import torch
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+
+    if rank == 5:
+        raise ValueError("rank 5 has no data")
+    xm.all_reduce(xm.REDUCE_SUM, torch.ones(1, device=torch_xla.device()))
+
+
+def test_the_rank_that_raised_is_reported_not_the_ranks_it_stopped(cores8, no_children_left):
+    with pytest.raises(tpunb.RankError, match=r"^rank 5 raised ValueError: rank 5 has no data"):
+        tpunb.launch(_fails_before_a_collective, hang_timeout=60)
 
 
 def test_hang_timeout_must_be_positive_seconds_or_none(cores8):

@@ -121,7 +121,7 @@ def _warnings(report):
             "launch, and in each rank take copy.deepcopy(model) before .to(device)."
         )
     preset = platform.spawn_breaking_variables()
-    if preset:
+    if preset and report.tpu is not None:  # simulated cores never read them
         names = ", ".join(f"{k}={v!r}" for k, v in preset.items())
         yield (
             f"{names} preset (Kaggle does this) would break xmp.spawn; tpunb.launch removes "

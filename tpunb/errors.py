@@ -1,5 +1,6 @@
-"""The errors tpunb raises: one class for the package, one for failures inside a rank,
-and one warning class; plus the one check of a count that every call uses."""
+"""The errors tpunb raises: one class for the package, one for failures inside a rank, one
+for a rank stopped by another's end, and one warning class; plus the one check of a count
+that every call uses."""
 
 
 class TpunbError(Exception):
@@ -21,6 +22,15 @@ class RankError(TpunbError):
         self.remote_traceback = remote_traceback
         self.signal = signal
         self.stacks = dict(stacks or {})
+
+
+class RankEnded(TpunbError):
+    """On simulated cores: a rank called a collective that a rank which has already ended
+    can never join. ``cause`` is the exception that ended that rank, or None if it returned."""
+
+    def __init__(self, message, cause):
+        super().__init__(message)
+        self.cause = cause
 
 
 class TpunbWarning(UserWarning):

@@ -65,8 +65,10 @@ def unsendable(result, error):
 
 
 def raised_error(failures):
-    """``failures``: rank -> messages.Raised. Reports the lowest rank."""
-    first = min(failures)
+    """``failures``: rank -> messages.Raised. Reports the lowest rank, preferring one that
+    was not stopped by another rank's end."""
+    causes = [rank for rank, failure in failures.items() if not failure.consequence]
+    first = min(causes or failures)
     failure = failures[first]
     others = sorted(set(failures) - {first})
     message = f"rank {first} {failure.description}"

@@ -14,6 +14,7 @@ import time
 import traceback
 
 from tpunb import cores
+from tpunb.errors import RankEnded
 from tpunb.launcher import channel, failures, heartbeat, recorder
 from tpunb.launcher.messages import Raised, Returned
 
@@ -77,7 +78,8 @@ def run(key, rank, work=None):
                 frames = frames.tb_next
             remote = traceback.format_exception(type(error), error, frames)
             steps.flush_finished_steps()  # the history up to the error, for the plots
-            job.channel.send(Raised(rank, failures.describe(error), "".join(remote)))
+            stopped = isinstance(error, RankEnded)  # by another rank's end: not the cause
+            job.channel.send(Raised(rank, failures.describe(error), "".join(remote), stopped))
             return
         try:
             payload = channel.dumps(result)

@@ -6,6 +6,8 @@
     point_to_point.py  xm.send and xm.recv through host memory
     process_groups.py  torch.distributed's default process group, one per core
     random_state.py  torch's random generator for each core's setup
+    rank_threads.py  what happens as a process's rank threads start and end
+    spawned.py      the simulation in the children of the spawn start method
     lightning.py    PyTorch Lightning's TPU accelerator opened to the simulated cores
 
 Nothing here is applied on a machine with a TPU: ``simulate`` refuses to run there.
@@ -53,6 +55,10 @@ def simulate(cores=8, instead_of_tpu=False):
     pool_size = max(16, 2 * count, int(os.environ.get("XLA_THREAD_POOL_SIZE", "0") or 0))
     os.environ["XLA_THREAD_POOL_SIZE"] = str(pool_size)
     os.environ["PJRT_CPU_ASYNC_CLIENT"] = "false"
+    # As Kaggle's TPU image presets them, so that its notebooks' "os.environ.pop(...)" cell
+    # runs here too. torch_xla reads them only for a TPU.
+    os.environ.setdefault("TPU_PROCESS_ADDRESSES", "local")
+    os.environ.setdefault("CLOUD_TPU_TASK_ID", "0")
 
     from tpunb.launcher import shared_process
     from tpunb.simulation import (
@@ -62,6 +68,8 @@ def simulate(cores=8, instead_of_tpu=False):
         point_to_point,
         process_groups,
         random_state,
+        rank_threads,
+        spawned,
     )
 
     collectives.install()
@@ -69,6 +77,8 @@ def simulate(cores=8, instead_of_tpu=False):
     point_to_point.install()
     process_groups.install()
     random_state.install()
+    rank_threads.install()
+    spawned.install(count, instead_of_tpu)
     shared_process.install()  # also for plain xmp.spawn and Lightning's launcher
     lightning.install(count)
     core_layout.set_simulated(count)

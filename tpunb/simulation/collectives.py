@@ -33,8 +33,9 @@ the measurements):
   1 run in 2 of a batch-size sweep aborted in rendezvous.
 - No rank waits for another while holding the GIL: a blocking call of one rank (seen after
   ``model.to(device)`` in PyTorch Lightning's setup) could wait for a rank already held in
-  the rendezvous. So every rank waits on a ``threading.Barrier`` (which releases the GIL)
-  before dispatching, and again after.
+  the rendezvous. So every rank waits at a barrier (``_Round.wait``, which releases the
+  GIL) before dispatching, and again after. A rank that has ended never arrives: the
+  others stop at once with ``RankEnded`` (rank_threads.py).
 
 Plus the synchronous PJRT CPU client (``PJRT_CPU_ASYNC_CLIENT=false``, set by
 ``simulate``): with the asynchronous one, Adam's step still deadlocked in buffer release.
@@ -56,7 +57,7 @@ import torch_xla.runtime as xr
 import torch_xla.torch_xla as torch_xla_module
 
 from tpunb import cores
-from tpunb.errors import TpunbError
+from tpunb.errors import RankEnded, TpunbError
 from tpunb.simulation import random_state
 
 # The primitives every Python collective (xm.*, torch.distributed's XLA backend,
@@ -89,14 +90,43 @@ _rounds_lock = threading.Lock()
 
 
 class _Round:
-    """The ranks of one process meeting at their collectives: a barrier, each rank's
-    description of the call it is making, and how far each rank is."""
+    """The ranks of one process meeting at their collectives: each rank's description of
+    the call it is making, how far each rank is, which ranks have ended, and a barrier that
+    lets no rank wait for one that has ended."""
 
     def __init__(self, ranks):
-        self.barrier = threading.Barrier(ranks)
+        self.ranks = ranks
         self.calls = [None] * ranks
         self.collectives = [0] * ranks
         self.steps = [1] * ranks
+        self.ended = {}  # rank -> the exception that ended it, or None if it returned
+        self._arrived = 0
+        self._passes = 0  # how many times every rank has arrived
+        self._condition = threading.Condition()
+
+    def wait(self):
+        """Waits until every rank arrives (True), or until one of the ranks that have not
+        arrived has ended (False). Waiting releases the GIL."""
+        with self._condition:
+            passes = self._passes
+            self._arrived += 1
+            if self._arrived == self.ranks:
+                self._arrived = 0
+                self._passes += 1
+                self._condition.notify_all()
+                return True
+            self._condition.wait_for(lambda: self._passes != passes or self.ended)
+            if self._passes != passes:
+                return True
+            self._arrived -= 1
+            return False
+
+    def end(self, rank, error):
+        with self._condition:
+            if self.ended and isinstance(error, RankEnded):
+                return  # stopped by an ended rank: the first one stays the cause
+            self.ended.setdefault(rank, error)
+            self._condition.notify_all()
 
 
 def install():
@@ -161,12 +191,40 @@ def _run_together(call):
     rank = xr.global_ordinal()
     meeting.collectives[rank] += 1
     meeting.calls[rank] = (call, _caller())
-    meeting.barrier.wait()  # every rank has described its call; none dispatched yet
+    _wait_for_every_rank(meeting, rank)  # every rank has described its call
     _check_same_call(meeting)
     with _dispatch_lock:
         torch_xla._XLAC._xla_step_marker(device, [], wait=False, reset_scope=True)
-    meeting.barrier.wait()
+    _wait_for_every_rank(meeting, rank)
     torch_xla._XLAC._set_all_reduce_token(device, None)
+
+
+def _wait_for_every_rank(meeting, rank):
+    if meeting.wait():
+        return
+    gone, cause = next(iter(meeting.ended.items()))
+    how = "returned" if cause is None else f"raised {type(cause).__name__}: {cause}"
+    raise RankEnded(
+        f"{meeting.calls[rank][0]} {meeting.calls[rank][1]} (collective number "
+        f"{meeting.collectives[rank]}, step {meeting.steps[rank]}) can never complete: rank "
+        f"{gone} has ended (it {how}). A collective needs every rank; on a TPU the others "
+        f"would wait for rank {gone} forever.",
+        cause,
+    ) from cause
+
+
+def new_meeting_place():
+    """A process's ranks are starting: they meet in a new round (rank_threads.py)."""
+    with _rounds_lock:
+        for key in [key for key in _rounds if key[0] == os.getpid()]:
+            del _rounds[key]
+
+
+def rank_ended(error):
+    """This rank returned (``error`` None) or raised ``error``: the ranks waiting for it at
+    a collective, and those that call one later, raise ``RankEnded`` (rank_threads.py)."""
+    if cores.in_rank():
+        _round().end(xr.global_ordinal(), error)
 
 
 def _check_same_call(meeting):

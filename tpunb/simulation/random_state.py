@@ -7,13 +7,14 @@ core. On the simulation the ranks are threads sharing one generator: their draws
 interleave, and each core would start training from different weights.
 
 So a rank that calls ``torch.manual_seed`` takes the generator for itself until its next
-step (``torch_xla.sync``), collective or end, where a TPU program's setup ends: the other
-ranks' ``manual_seed`` waits. Each rank then draws what it would draw on a TPU. Draws in a
-rank that did not seed, and draws after the setup, still share the generator: build the
-model before the launch or seed in the rank function, and give a ``torch.Generator`` to
-what draws in the training loop (as ``DistributedSampler`` has). docs/simulation.md lists
-this with the other differences. A rank that holds the generator longer than ``WAIT``
-(e.g. waiting for another rank outside a collective) lets the others go on, with a warning.
+step (``torch_xla.sync``), collective or end (rank_threads.py), where a TPU program's setup
+ends: the other ranks' ``manual_seed`` waits. Each rank then draws what it would draw on a
+TPU. Draws in a rank that did not seed, and draws after the setup, still share the
+generator: build the model before the launch or seed in the rank function, and give a
+``torch.Generator`` to what draws in the training loop (as ``DistributedSampler`` has).
+docs/simulation.md lists this with the other differences. A rank that holds the generator
+longer than ``WAIT`` (e.g. waiting for another rank outside a collective) lets the others
+go on, with a warning.
 """
 
 import functools
@@ -33,30 +34,8 @@ _holders_lock = threading.Lock()
 
 
 def install():
-    import torch_xla._internal.pjrt as pjrt
-
-    if getattr(torch.manual_seed, "seeds_alone", False):
-        return
-    torch.manual_seed = torch.random.manual_seed = _seeding_alone(torch.random.manual_seed)
-    pjrt._run_thread_per_device = _done_drawing_at_the_end(pjrt._run_thread_per_device)
-
-
-def _done_drawing_at_the_end(run_threads):
-    """Every rank (a thread that torch_xla starts) gives the generator back when it ends."""
-
-    # Keeps the name: xmp.spawn sends it to its processes by name.
-    @functools.wraps(run_threads)
-    def run_thread_per_device(local_rank, local_world_size, fn, initializer_fn):
-        @functools.wraps(fn)
-        def rank():
-            try:
-                return fn()
-            finally:
-                done_drawing()
-
-        return run_threads(local_rank, local_world_size, rank, initializer_fn)
-
-    return run_thread_per_device
+    if not getattr(torch.manual_seed, "seeds_alone", False):
+        torch.manual_seed = torch.random.manual_seed = _seeding_alone(torch.random.manual_seed)
 
 
 def _seeding_alone(manual_seed):

@@ -1,0 +1,125 @@
+"""TPU programs written for torch_xla only, run unchanged on simulated cores: a script
+through ``python -m tpunb.simulate`` (spawn start method), a plain ``xmp.spawn`` after
+``tpunb.simulate()``, and a Kaggle notebook through ``pytest --tpunb-simulate``."""
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+from conftest import launch_leftovers, run_python
+
+THIRD_PARTY = os.path.join(os.path.dirname(__file__), "third_party")
+
+
+def _run(args, cwd=None, timeout=300):
+    start = time.monotonic()
+    result = subprocess.run(
+        [sys.executable, *args], capture_output=True, text=True, timeout=timeout, cwd=cwd
+    )
+    return result, time.monotonic() - start
+
+
+def test_a_script_runs_unchanged_with_the_spawn_start_method():
+    script = os.path.join(THIRD_PARTY, "train_script.py")
+    result, _ = _run(["-m", "tpunb.simulate", "--cores", "8", script, "--lr", "0.05"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "world size 8, same weights on every core: True" in result.stdout
+    # Without the simulation the same script runs on one CPU device.
+    result, _ = _run([script, "--lr", "0.05"])
+    assert "world size 1" in result.stdout, result.stderr[-3000:]
+
+
+def test_a_spawned_rank_that_fails_stops_the_script_at_once_with_its_error():
+    script = os.path.join(THIRD_PARTY, "failing_script.py")
+    before = {p.pid for p in launch_leftovers()}
+    result, seconds = _run(["-m", "tpunb.simulate", script])
+    assert result.returncode == 1
+    last_line = result.stderr.strip().splitlines()[-1]
+    assert last_line == "ValueError: rank 3 found no data", result.stderr[-3000:]
+    assert seconds < 60  # XLA's own rendezvous would abort after 10 s, or wait forever
+    assert {p.pid for p in launch_leftovers()} == before
+
+
+def test_the_command_line_says_what_is_wrong_before_running_anything(tmp_path):
+    result, _ = _run(["-m", "tpunb.simulate", str(tmp_path / "missing.py")])
+    assert result.returncode == 2 and "no such script" in result.stderr
+    result, _ = _run(["-m", "tpunb.simulate", "--cores", "0", str(tmp_path / "missing.py")])
+    assert result.returncode != 0
+
+
+def test_importing_the_command_line_module_keeps_tpunb_simulate_a_function():
+    result = run_python(
+        """
+        import tpunb.simulate
+        import tpunb
+        print(callable(tpunb.simulate), tpunb.simulate.__doc__.split(":")[0])
+        """
+    )
+    assert result.stdout.startswith("True"), result.stderr
+
+
+def test_a_plain_xmp_spawn_after_simulate_works_and_a_failing_rank_stops_it():
+    result = run_python(
+        """
+        import time
+        import tpunb
+        tpunb.simulate(cores=8)
+        import torch, torch_xla
+        import torch_xla.core.xla_model as xm
+        import torch_xla.distributed.xla_multiprocessing as xmp
+
+        def step(index, fail):
+            device = torch_xla.device()
+            total = xm.all_reduce(xm.REDUCE_SUM, torch.ones(2, device=device))
+            if fail and index == 5:
+                raise KeyError("rank 5")
+            xm.all_reduce(xm.REDUCE_SUM, total)  # the others wait here for rank 5
+            torch_xla.sync()
+
+        xmp.spawn(step, args=(False,), start_method="fork")
+        print("no failure: returned")
+        start = time.monotonic()
+        try:
+            xmp.spawn(step, args=(True,), start_method="fork")
+        except KeyError as error:
+            print("raised", repr(error), time.monotonic() - start < 10)
+        """
+    )
+    assert result.stdout.splitlines()[-2:] == [
+        "no failure: returned",
+        "raised KeyError('rank 5') True",
+    ], result.stderr[-3000:]
+
+
+def _pytest(args, cwd):
+    return _run(["-m", "pytest", "-p", "no:cacheprovider", *args], cwd=cwd)[0]
+
+
+def test_a_kaggle_notebook_runs_unchanged_in_ci_through_the_pytest_option(tmp_path):
+    # A user's repository: their notebook, no pytest configuration of tpunb's.
+    shutil.copy(os.path.join(THIRD_PARTY, "kaggle_ddp.ipynb"), tmp_path)
+    result = _pytest(["--nbval-lax", "--tpunb-simulate=8", "kaggle_ddp.ipynb"], tmp_path)
+    assert result.returncode == 0 and "4 passed" in result.stdout, result.stdout[-3000:]
+    # The last cell's output is compared: 4 simulated cores print other ranks.
+    result = _pytest(["--nbval-lax", "--tpunb-simulate=4", "kaggle_ddp.ipynb"], tmp_path)
+    assert result.returncode == 1 and "1 failed, 3 passed" in result.stdout, result.stdout
+    # Without the option there is no TPU here, nor the variables Kaggle's image presets.
+    result = _pytest(["--nbval-lax", "kaggle_ddp.ipynb"], tmp_path)
+    assert result.returncode == 1 and "KeyError" in result.stdout
+
+
+def test_plain_tests_of_tpu_code_run_on_the_simulated_cores(tmp_path):
+    (tmp_path / "test_tpu_code.py").write_text(
+        "import torch_xla.distributed.xla_multiprocessing as xmp\n"
+        "import torch_xla.runtime as xr\n\n\n"
+        "def _world(index):\n"
+        "    assert xr.world_size() == 8\n\n\n"
+        "def test_every_core():\n"
+        "    xmp.spawn(_world, start_method='fork')\n"
+    )
+    result = _pytest(["--tpunb-simulate=8", "test_tpu_code.py"], tmp_path)
+    assert result.returncode == 0 and "1 passed" in result.stdout, result.stdout[-3000:]
+    result = _pytest(["--tpunb-simulate=0", "test_tpu_code.py"], tmp_path)
+    assert result.returncode == 4 and "--tpunb-simulate=0" in result.stderr, result.stderr

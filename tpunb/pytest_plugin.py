@@ -1,0 +1,79 @@
+"""``pytest --tpunb-simulate=N``: TPU code and TPU notebooks tested on N simulated cores.
+
+A pytest plugin, registered by tpunb's ``pytest11`` entry point: installed with tpunb, it
+is there in every pytest run and does nothing until the option is given. With it:
+
+- the test process simulates N TPU cores before any test runs (``tpunb.simulate``), so
+  tests that call ``xmp.spawn`` or ``torch_xla.launch`` run their ranks on them;
+- every notebook that nbval executes (``pytest --nbval``) gets a kernel that simulates N
+  cores before its first cell, so a notebook written for Kaggle's or Colab's TPU, which
+  never heard of tpunb, runs unchanged: CI for TPU notebooks.
+"""
+
+import pytest
+
+_SIMULATE_IN_KERNEL = """\
+import tpunb.simulation as __tpunb_simulation
+__tpunb_simulation.simulate(cores={cores}, instead_of_tpu={instead_of_tpu})
+del __tpunb_simulation
+"""
+
+
+def pytest_addoption(parser):
+    group = parser.getgroup("tpunb", "TPU cores simulated on the CPU (tpunb)")
+    group.addoption(
+        "--tpunb-simulate",
+        metavar="N",
+        type=int,
+        default=None,
+        help="simulate N TPU cores on the CPU, in the tests and in every notebook kernel "
+        "nbval starts (--nbval), with the real torch_xla",
+    )
+    group.addoption(
+        "--tpunb-instead-of-tpu",
+        action="store_true",
+        help="with --tpunb-simulate: simulate even on a machine with a TPU",
+    )
+
+
+def pytest_configure(config):
+    cores = config.getoption("tpunb_simulate")
+    if cores is None:
+        return
+    from tpunb.errors import TpunbError
+    from tpunb.simulation import simulate
+
+    try:
+        simulate(cores=cores, instead_of_tpu=config.getoption("tpunb_instead_of_tpu"))
+    except TpunbError as error:
+        raise pytest.UsageError(f"--tpunb-simulate={cores}: {error}") from None
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_setup(item):
+    """After nbval has started a notebook's kernel, and before its first cell: simulate."""
+    cores = item.config.getoption("tpunb_simulate")
+    notebook = item.parent
+    kernel = getattr(notebook, "kernel", None)
+    if cores is None or kernel is None or getattr(notebook, "tpunb_simulated", None) is kernel:
+        return
+    code = _SIMULATE_IN_KERNEL.format(
+        cores=cores, instead_of_tpu=item.config.getoption("tpunb_instead_of_tpu")
+    )
+    error = _run_in_kernel(kernel, code)
+    if error:
+        pytest.fail(f"--tpunb-simulate={cores} failed in the notebook's kernel: {error}")
+    notebook.tpunb_simulated = kernel
+
+
+def _run_in_kernel(kernel, code, timeout=300):
+    """Runs ``code`` in nbval's kernel, with no output; returns its error text, if any."""
+    message_id = kernel.kc.execute(code, silent=True, store_history=False, allow_stdin=False)
+    while True:
+        reply = kernel.kc.get_shell_msg(timeout=timeout)
+        if reply["parent_header"].get("msg_id") == message_id:
+            break
+    content = reply["content"]
+    if content["status"] == "ok":
+        return None
+    return f"{content.get('ename')}: {content.get('evalue')}"

@@ -1,0 +1,65 @@
+"""``python -m tpunb.simulate [--cores N] script.py [args]``: runs a TPU script unchanged on
+N TPU cores simulated on the CPU.
+
+The script runs as ``python script.py [args]`` would run it, after ``tpunb.simulate(N)``:
+its ``torch_xla.launch`` or ``xmp.spawn`` starts the ranks on the simulated cores, with
+either start method (spawned children simulate the same cores, simulation/spawned.py).
+``-m module`` runs a module instead, as ``python -m module`` would.
+"""
+
+import argparse
+import os
+import runpy
+import sys
+import types
+
+from tpunb import simulation
+from tpunb.errors import TpunbError
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(
+        prog="python -m tpunb.simulate",
+        description="Run a TPU script unchanged on TPU cores simulated on the CPU "
+        "(the real torch_xla, on its CPU device).",
+    )
+    parser.add_argument("--cores", type=int, default=8, help="simulated cores (default: 8)")
+    parser.add_argument(
+        "--instead-of-tpu",
+        action="store_true",
+        help="simulate even on a machine with a TPU (on its CPU, far slower)",
+    )
+    parser.add_argument("-m", dest="module", help="run a module, as python -m does")
+    parser.add_argument("script", nargs="?", help="the script to run, as python would")
+    parser.add_argument("args", nargs=argparse.REMAINDER, help="the script's arguments")
+    options = parser.parse_args(argv)
+    if options.module is None and options.script is None:
+        parser.error("give the script to run (or -m module)")
+    if options.module is None and not os.path.isfile(options.script):
+        parser.error(f"no such script: {options.script}")
+    try:
+        simulation.simulate(cores=options.cores, instead_of_tpu=options.instead_of_tpu)
+    except TpunbError as error:
+        parser.exit(2, f"python -m tpunb.simulate: {error}\n")
+    if options.module is not None:
+        args = [options.script, *options.args] if options.script else options.args
+        sys.argv = [options.module, *args]
+        runpy.run_module(options.module, run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = [options.script, *options.args]
+        sys.path.insert(0, os.path.dirname(os.path.abspath(options.script)))
+        runpy.run_path(options.script, run_name="__main__")
+
+
+class _Simulate(types.ModuleType):
+    """``import tpunb.simulate`` makes this module the package's ``simulate``: it stays the
+    function that simulates cores."""
+
+    def __call__(self, cores=8, instead_of_tpu=False):
+        return simulation.simulate(cores, instead_of_tpu)
+
+
+sys.modules[__name__].__class__ = _Simulate
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,53 @@
+"""The threads torch_xla starts for a process's ranks: what the simulation does as they
+start and as each one ends.
+
+Used only under ``tpunb.simulate``. torch_xla runs the ranks of a process as threads
+(``_run_thread_per_device`` in ``torch_xla/_internal/pjrt.py``; on the simulation all of
+them). As they start, the collectives' meeting place is made new for them. As a rank ends,
+returning or raising, it gives back torch's random generator (random_state.py) and says
+so to the collectives: the ranks waiting for it at a collective stop at once with
+``RankEnded``, naming it, and the ranks that call one later stop as they call it. On a TPU
+they would wait for it forever. ``xmp.spawn`` then raises the exception of the rank that
+ended first, as if it had been the only one.
+"""
+
+import functools
+
+from tpunb.errors import RankEnded
+from tpunb.simulation import collectives, random_state
+
+
+def install():
+    import torch_xla._internal.pjrt as pjrt
+
+    if not getattr(pjrt._run_thread_per_device, "tells_the_collectives", False):
+        pjrt._run_thread_per_device = _telling_the_collectives(pjrt._run_thread_per_device)
+
+
+def _telling_the_collectives(run_threads):
+    # Keeps the name: xmp.spawn sends it to its processes by name.
+    @functools.wraps(run_threads)
+    def run_thread_per_device(local_rank, local_world_size, fn, initializer_fn):
+        @functools.wraps(fn)
+        def rank():
+            try:
+                result = fn()
+            except BaseException as error:
+                collectives.rank_ended(error)
+                raise
+            finally:
+                random_state.done_drawing()
+            collectives.rank_ended(None)
+            return result
+
+        collectives.new_meeting_place()
+        try:
+            return run_threads(local_rank, local_world_size, rank, initializer_fn)
+        except RankEnded as stopped:
+            # torch_xla raises the lowest rank's exception: the cause is the ended rank's.
+            if stopped.cause is None:
+                raise
+            raise stopped.cause from None
+
+    run_thread_per_device.tells_the_collectives = True
+    return run_thread_per_device
