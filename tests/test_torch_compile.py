@@ -1,14 +1,24 @@
-"""torch.compile(..., backend="openxla") inside the ranks of 8 simulated cores, every run."""
+"""torch.compile(..., backend="openxla") inside the ranks of 8 simulated cores, every run:
+a compiled function holding a collective, and a compiled model trained with backward."""
 
 import torch
+from conftest import in_forked_process
 
 import tpunb
 
 CORES = 8
 RUNS = 50
+STEPS = 3
+FEATURES = torch.linspace(-2, 2, CORES * 4 * 4).reshape(CORES * 4, 4)
+TARGETS = FEATURES.sum(1, keepdim=True).sin()
 
 
-def _compiled_collective(rank):
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+
+
+def _compiled_collective_and_training(rank):
     import torch_xla
     import torch_xla.core.xla_model as xm
 
@@ -19,16 +29,42 @@ def _compiled_collective(rank):
 
     compiled = torch.compile(mean_of_column_sums, backend="openxla")
     w = torch.ones(4, 3, device=device)
-    results = []
+    sums = []
     for step in range(3):
         x = torch.full((2, 4), float(rank + step), device=device)
-        results.append(compiled(x, w).tolist())
+        sums.append(compiled(x, w).tolist())
         torch_xla.sync()
-    return results
+
+    model = _model().to(device)  # seeded in the rank: the same weights on every core
+    compiled_model = torch.compile(model, backend="openxla")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    shard = slice(rank * 4, rank * 4 + 4)
+    x, y = FEATURES[shard].to(device), TARGETS[shard].to(device)
+    for _ in range(STEPS):
+        optimizer.zero_grad()
+        torch.nn.functional.mse_loss(compiled_model(x), y).backward()
+        xm.optimizer_step(optimizer)
+        torch_xla.sync()
+    return sums, [p.detach().cpu() for p in model.parameters()]
 
 
-def test_a_compiled_function_holding_a_collective_runs_every_time(cores8):
+def _global_batch_training():
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(STEPS):
+        optimizer.zero_grad()
+        torch.nn.functional.mse_loss(model(FEATURES), TARGETS).backward()
+        optimizer.step()
+    return [p.detach() for p in model.parameters()]
+
+
+def test_compiled_collectives_and_compiled_training_work_every_time(cores8):
     # Rank r's column sums are 2 * 4 (r + step); their mean over the ranks is 28 + 8 step.
-    expected = [[28.0 + 8 * step] * 3 for step in range(3)]
+    expected_sums = [[28.0 + 8 * step] * 3 for step in range(3)]
+    expected_weights = in_forked_process(_global_batch_training)
     for _ in range(RUNS):
-        assert tpunb.launch(_compiled_collective, live=False) == [expected] * CORES
+        results = tpunb.launch(_compiled_collective_and_training, live=False)
+        for sums, weights in results:
+            assert sums == expected_sums
+            for got, expected in zip(weights, expected_weights, strict=True):
+                torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)

@@ -13,10 +13,24 @@ process are per rank on a TPU host (a process a rank) and shared here:
    fall back to the CPU, then puts two of them back (``UnsupportedNodesCollector`` in
    torch_xla/_dynamo/dynamo_bridge.py): ranks extracting at once read a counter another
    has just cleared (``TypeError: _xla_increment_counter(): incompatible function arguments
-   ... 'DynamoExtractCompiledGraph', None``). Here the ranks extract one at a time.
+   ... 'DynamoExtractCompiledGraph', None``). And the backend extracts a graph the first
+   time it runs (``fwd`` in torch/_dynamo/backends/torchxla.py checks, then extracts): two
+   ranks running it first at once both extract it, from a graph the first one has already
+   changed ("replace_with already has .meta keys"). And the extraction builds torch.fx
+   graphs, whose new nodes take the metadata that torch.fx keeps per process for the
+   compilation under way (``torch.fx.traceback``): a rank extracting while another compiles
+   gets that rank's metadata, with the same error. Here the ranks extract under dynamo's
+   ``compile_lock``, one at a time and while no rank compiles, and a graph once: the others
+   get what the first extracted.
 
-What is not done yet: a compiled *model* trained with backward (AOT autograd) still fails in
-some runs; its compiled forward and backward are shared by the ranks and raced on.
+3. AOT autograd's backward compilation. dynamo compiles one frame at a time (its
+   ``compile_lock``), but the backward of a compiled model is compiled lazily, at its first
+   backward pass, outside that lock (``_backward_impl`` in
+   torch/_functorch/_aot_autograd/runtime_wrappers.py), in the process-wide compile metrics
+   and on the graph the ranks share. Ranks that run their first backward at once fail with
+   "Metric(s) {'is_forward'} already set" or "replace_with already has .meta keys". Here
+   that compilation holds dynamo's ``compile_lock``, as every other compilation does: the
+   ranks compile it one after another (each its own, as each TPU process would).
 
 Collectives inside a compiled function run between the graphs compiled before and after
 them (collectives.py), as their own graph.
@@ -25,17 +39,20 @@ them (collectives.py), as their own graph.
 import functools
 import threading
 
-_extract_lock = threading.Lock()
 _tracing = threading.local()
 
 
 def install():
+    import torch._functorch._aot_autograd.runtime_wrappers as runtime_wrappers
     import torch.fx._symbolic_trace as symbolic_trace
     import torch_xla._dynamo.dynamo_bridge as bridge
 
     if getattr(bridge.extract_compiled_graph, "one_rank_at_a_time", False):
         return
     bridge.extract_compiled_graph = _one_at_a_time(bridge.extract_compiled_graph)
+    runtime_wrappers.get_metrics_context = _holding_the_compile_lock(
+        runtime_wrappers.get_metrics_context
+    )
     tracer = symbolic_trace.Tracer
     tracer.trace = _marking_this_thread(tracer.trace)
     # torch 2.9's dynamo asks is_fx_symbolic_tracing, torch 2.8's is_fx_tracing.
@@ -46,9 +63,15 @@ def install():
 
 def _one_at_a_time(extract):
     @functools.wraps(extract)
-    def extract_compiled_graph(*args, **kwargs):
-        with _extract_lock:
-            return extract(*args, **kwargs)
+    def extract_compiled_graph(model, *args, **kwargs):
+        from torch._dynamo.convert_frame import compile_lock
+
+        with compile_lock:
+            extracted = getattr(model, "_extracted_by_tpunb", None)
+            if extracted is None:
+                extracted = extract(model, *args, **kwargs)
+                model._extracted_by_tpunb = extracted
+            return extracted
 
     extract_compiled_graph.one_rank_at_a_time = True
     return extract_compiled_graph
@@ -72,3 +95,35 @@ def _in_this_thread(is_tracing):
         return getattr(_tracing, "depth", 0) > 0 and is_tracing()
 
     return is_tracing_in_this_thread
+
+
+def _holding_the_compile_lock(get_metrics_context):
+    """``get_metrics_context`` for the lazy backward compilation (point 3): its context
+    holds dynamo's compile lock while it is entered."""
+    from torch._dynamo.convert_frame import compile_lock
+
+    @functools.wraps(get_metrics_context)
+    def metrics_context_holding_the_compile_lock():
+        return _Holding(compile_lock, get_metrics_context())
+
+    return metrics_context_holding_the_compile_lock
+
+
+class _Holding:
+    def __init__(self, lock, context):
+        self.lock = lock
+        self.context = context
+
+    def __enter__(self):
+        self.lock.acquire()
+        try:
+            return self.context.__enter__()
+        except BaseException:
+            self.lock.release()
+            raise
+
+    def __exit__(self, *exc_info):
+        try:
+            return self.context.__exit__(*exc_info)
+        finally:
+            self.lock.release()
