@@ -190,7 +190,7 @@ def _run_together(call):
     meeting = _round()
     rank = xr.global_ordinal()
     meeting.collectives[rank] += 1
-    meeting.calls[rank] = (call, _caller())
+    meeting.calls[rank] = (call, _Caller(sys._getframe()))
     _wait_for_every_rank(meeting, rank)  # every rank has described its call
     _check_same_call(meeting)
     with _dispatch_lock:
@@ -248,22 +248,29 @@ def _check_same_call(meeting):
     )
 
 
-def _caller():
-    """Where the program called the collective: the innermost frame outside torch,
-    torch_xla and tpunb, and the function it called there (e.g. xm.all_gather)."""
-    libraries = tuple(
-        os.path.dirname(module.__file__) + os.sep
-        for module in (torch, torch_xla, sys.modules["tpunb"])
-    )
-    entry = None
-    for frame in reversed(traceback.extract_stack()):
-        if frame.filename.startswith(libraries) or "/threading.py" in frame.filename:
-            if frame.filename.startswith(libraries[1]):  # torch_xla's own function
-                entry = frame.name
-            continue
-        where = f"called from {frame.filename}, line {frame.lineno}, in {frame.name}"
-        return f"(in {entry}), {where}" if entry else where
-    return "called inside torch_xla"
+class _Caller:
+    """Where the program called the collective, in words only when a message needs it: the
+    innermost frame outside torch, torch_xla and tpunb, and the function it called there
+    (e.g. xm.all_gather). Reading the stack at every call would slow every step."""
+
+    def __init__(self, frame):
+        self.frame = frame
+
+    def __str__(self):
+        libraries = tuple(
+            os.path.dirname(module.__file__) + os.sep
+            for module in (torch, torch_xla, sys.modules["tpunb"])
+        )
+        entry = None
+        for frame, _ in traceback.walk_stack(self.frame):
+            code = frame.f_code
+            if code.co_filename.startswith(libraries) or "/threading.py" in code.co_filename:
+                if code.co_filename.startswith(libraries[1]):  # torch_xla's own function
+                    entry = code.co_name
+                continue
+            where = f"called from {code.co_filename}, line {frame.f_lineno}, in {code.co_name}"
+            return f"(in {entry}), {where}" if entry else where
+        return "called inside torch_xla"
 
 
 def _describe(name, args, kwargs):

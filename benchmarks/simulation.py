@@ -1,0 +1,156 @@
+"""The simulation's own cost, as ratios measured in the same run: an epoch of
+data-parallel training on 8 simulated cores against
+
+1. the same rank-steps run one after another on a single XLA CPU device (8 replicas of the
+   model, each trained on its core's shard, no collective): what the simulation adds to
+   torch_xla on the CPU (threads, collectives, barriers).
+2. plain PyTorch on the CPU, one model trained on the global batch: what simulating costs
+   against training the same numbers without torch_xla.
+
+"before" is what the simulation measured on this workload before each collective became a
+graph of its own (docs/simulation.md, "What it costs", has the figures and the batch sizes).
+
+Each side runs in its own Python process (each needs its own XLA runtime), one after
+another, alternating; a side's first epoch compiles and is not timed. The figures are
+medians over the timed epochs.
+Run: python benchmarks/simulation.py [--epochs N] [--repeats N] [--batch N]
+"""
+
+import argparse
+import copy
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+from torch.utils.data import DataLoader, DistributedSampler
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from workload import BATCH, DATASET, MODEL  # noqa: E402
+
+CORES = 8
+
+
+def _loader(rank, batch):
+    sampler = DistributedSampler(DATASET, CORES, rank, shuffle=False)
+    return DataLoader(DATASET, batch_size=batch, sampler=sampler, drop_last=True)
+
+
+def _step(model, optimizer, inputs, labels):
+    optimizer.zero_grad()
+    torch.nn.functional.cross_entropy(model(inputs), labels).backward()
+
+
+def _simulated_epochs(rank, epochs, batch):
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+
+    device = torch_xla.device()
+    model = copy.deepcopy(MODEL).to(device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    times = []
+    for _ in range(epochs):
+        xm.wait_device_ops()
+        start = time.perf_counter()
+        for inputs, labels in _loader(rank, batch):
+            _step(model, optimizer, inputs.to(device), labels.to(device))
+            xm.optimizer_step(optimizer)  # all-reduces the gradients
+            torch_xla.sync()
+        xm.wait_device_ops()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def simulated(epochs, batch):
+    import tpunb
+
+    tpunb.simulate(cores=CORES)
+    per_rank = tpunb.launch(_simulated_epochs, epochs, batch, live=False)
+    # An epoch ends with its slowest core.
+    return [max(epoch) for epoch in zip(*per_rank, strict=True)]
+
+
+def serial(epochs, batch):
+    os.environ.update(PJRT_DEVICE="CPU", CPU_NUM_DEVICES="1")
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+
+    device = torch_xla.device()
+    models = [copy.deepcopy(MODEL).to(device) for _ in range(CORES)]
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.01) for m in models]
+    times = []
+    for _ in range(epochs):
+        xm.wait_device_ops()
+        start = time.perf_counter()
+        for batches in zip(*(_loader(rank, batch) for rank in range(CORES)), strict=True):
+            for model, optimizer, (inputs, labels) in zip(models, optimizers, batches, strict=True):
+                _step(model, optimizer, inputs.to(device), labels.to(device))
+                optimizer.step()
+                torch_xla.sync()
+        xm.wait_device_ops()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def plain(epochs, batch):
+    model = copy.deepcopy(MODEL)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    loader = DataLoader(DATASET, batch_size=batch * CORES, shuffle=False, drop_last=True)
+    times = []
+    for _ in range(epochs):
+        start = time.perf_counter()
+        for inputs, labels in loader:
+            _step(model, optimizer, inputs, labels)
+            optimizer.step()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+SIDES = {"simulated": simulated, "serial": serial, "plain": plain}
+
+
+def _run_side(name, epochs, batch):
+    command = [sys.executable, __file__, "--side", name, f"--epochs={epochs}", f"--batch={batch}"]
+    result = subprocess.run(command, capture_output=True, text=True, check=False)
+    if result.returncode != 0:
+        raise SystemExit(f"{name} failed:\n{result.stderr[-3000:]}")
+    return json.loads(result.stdout.strip().splitlines()[-1])[1:]  # the first compiles
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--epochs", type=int, default=3, help="epochs a run (first untimed)")
+    parser.add_argument("--repeats", type=int, default=2, help="runs of each side")
+    parser.add_argument("--batch", type=int, default=BATCH, help="per-core batch size")
+    parser.add_argument("--side", choices=SIDES, help=argparse.SUPPRESS)
+    options = parser.parse_args()
+    if options.side:
+        print(json.dumps(SIDES[options.side](options.epochs, options.batch)))
+        return
+    times = {name: [] for name in SIDES}
+    for _ in range(options.repeats):
+        for name in SIDES:
+            times[name] += _run_side(name, options.epochs, options.batch)
+    epoch = {name: statistics.median(values) for name, values in times.items()}
+    steps = len(DATASET) // (options.batch * CORES)
+    print(
+        f"an epoch: {steps} steps of {CORES} x {options.batch} samples; medians of "
+        f"{len(times['plain'])} epochs"
+    )
+    print(
+        f"8 simulated cores {epoch['simulated']:6.2f} s   serial rank-steps on 1 XLA CPU "
+        f"device {epoch['serial']:6.2f} s   ratio {epoch['simulated'] / epoch['serial']:5.2f} "
+        "(before: 1.75)"
+    )
+    print(
+        f"8 simulated cores {epoch['simulated']:6.2f} s   plain PyTorch, global batch "
+        f"{epoch['plain']:6.2f} s   ratio {epoch['simulated'] / epoch['plain']:5.2f} "
+        "(before: 13)"
+    )
+
+
+if __name__ == "__main__":
+    main()
