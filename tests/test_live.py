@@ -109,6 +109,7 @@ def test_a_failed_launch_says_where_it_stopped(cores8, capsys):
             for (x,) in tpunb.shard(loader):
                 tpunb.log(x=x.sum())
             if epoch == 1 and rank == 5:
+                time.sleep(2)  # the other ranks' steps reach the notebook meanwhile
                 raise ValueError("rank 5 broke")
 
     with pytest.raises(tpunb.RankError, match="rank 5 broke"):

@@ -136,6 +136,9 @@ class Recorder:
             else:
                 self.end_step()
         if self._counters is not None and self._unsent:
+            # The steps before the last go now: another rank's failure may stop the process
+            # while this one waits.
+            self.flush(keep_last=True)
             # What the process's other ranks compiled and ran on the CPU after this rank's
             # last step (threads drift apart after their last collective).
             self._counters.after_last_step(self._unsent[-1])
