@@ -57,6 +57,19 @@ def _step(model, optimizer, inputs, labels):
     torch.nn.functional.cross_entropy(model(inputs), labels).backward()
 
 
+def _timed(epochs, run_epoch, wait=lambda: None):
+    """Seconds each of ``epochs`` runs of ``run_epoch`` took, ``wait`` done before the clock
+    starts and before it stops (the device's queued work)."""
+    times = []
+    for _ in range(epochs):
+        wait()
+        start = time.perf_counter()
+        run_epoch()
+        wait()
+        times.append(time.perf_counter() - start)
+    return times
+
+
 def _simulated_epochs(rank, epochs, loader):
     import torch_xla
     import torch_xla.core.xla_model as xm
@@ -66,17 +79,14 @@ def _simulated_epochs(rank, epochs, loader):
     device = torch_xla.device()
     model = copy.deepcopy(MODEL).to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    times = []
     batches = tpunb.shard(loader)  # this core's shard, on the core (MpDeviceLoader syncs)
-    for _ in range(epochs):
-        xm.wait_device_ops()
-        start = time.perf_counter()
+
+    def epoch():
         for inputs, labels in batches:
             _step(model, optimizer, inputs, labels)
             xm.optimizer_step(optimizer)  # all-reduces the gradients
-        xm.wait_device_ops()
-        times.append(time.perf_counter() - start)
-    return times
+
+    return _timed(epochs, epoch, xm.wait_device_ops)
 
 
 def simulated(epochs, batch):
@@ -89,62 +99,56 @@ def simulated(epochs, batch):
     return [max(epoch) for epoch in zip(*per_rank, strict=True)]
 
 
-def serial(epochs, batch):
+def _one_xla_device():
     os.environ.update(PJRT_DEVICE="CPU", CPU_NUM_DEVICES="1")
+    import torch_xla
+
+    return torch_xla.device()
+
+
+def serial(epochs, batch):
     import torch_xla
     import torch_xla.core.xla_model as xm
 
-    device = torch_xla.device()
+    device = _one_xla_device()
     models = [copy.deepcopy(MODEL).to(device) for _ in range(CORES)]
     optimizers = [torch.optim.SGD(m.parameters(), lr=0.01) for m in models]
-    times = []
-    for _ in range(epochs):
-        xm.wait_device_ops()
-        start = time.perf_counter()
+
+    def epoch():
         for batches in zip(*(_loader(rank, batch) for rank in range(CORES)), strict=True):
             for model, optimizer, (inputs, labels) in zip(models, optimizers, batches, strict=True):
                 _step(model, optimizer, inputs.to(device), labels.to(device))
                 optimizer.step()
                 torch_xla.sync()
-        xm.wait_device_ops()
-        times.append(time.perf_counter() - start)
-    return times
+
+    return _timed(epochs, epoch, xm.wait_device_ops)
 
 
-def one_device(epochs, batch):
-    os.environ.update(PJRT_DEVICE="CPU", CPU_NUM_DEVICES="1")
-    import torch_xla
-    import torch_xla.core.xla_model as xm
-
-    device = torch_xla.device()
+def _global_batch_epoch(batch, device, sync=lambda: None):
+    """An epoch of one model trained on the global batch, on ``device``."""
     model = copy.deepcopy(MODEL).to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     loader = DataLoader(DATASET, batch_size=batch * CORES, shuffle=False, drop_last=True)
-    times = []
-    for _ in range(epochs):
-        xm.wait_device_ops()
-        start = time.perf_counter()
+
+    def epoch():
         for inputs, labels in loader:
             _step(model, optimizer, inputs.to(device), labels.to(device))
             optimizer.step()
-            torch_xla.sync()
-        xm.wait_device_ops()
-        times.append(time.perf_counter() - start)
-    return times
+            sync()
+
+    return epoch
+
+
+def one_device(epochs, batch):
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+
+    epoch = _global_batch_epoch(batch, _one_xla_device(), torch_xla.sync)
+    return _timed(epochs, epoch, xm.wait_device_ops)
 
 
 def plain(epochs, batch):
-    model = copy.deepcopy(MODEL)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    loader = DataLoader(DATASET, batch_size=batch * CORES, shuffle=False, drop_last=True)
-    times = []
-    for _ in range(epochs):
-        start = time.perf_counter()
-        for inputs, labels in loader:
-            _step(model, optimizer, inputs, labels)
-            optimizer.step()
-        times.append(time.perf_counter() - start)
-    return times
+    return _timed(epochs, _global_batch_epoch(batch, "cpu"))
 
 
 SIDES = {"simulated": simulated, "serial": serial, "one-device": one_device, "plain": plain}
