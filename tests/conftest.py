@@ -1,6 +1,7 @@
 import concurrent.futures
 import multiprocessing
 import os
+import pathlib
 import pickle
 import subprocess
 import sys
@@ -14,6 +15,8 @@ import tpunb
 # TPU programs written without tpunb: test_programs_without_tpunb.py runs them as their
 # authors would, not as part of this collection.
 collect_ignore = ["third_party"]
+
+ROOT = pathlib.Path(__file__).parent.parent
 
 
 @pytest.fixture(autouse=True)

@@ -3,6 +3,7 @@ sampler, checked against tpunb.launch + shard() on the same batches."""
 
 import copy
 import logging
+import pathlib
 import warnings
 
 import pytest
@@ -207,6 +208,37 @@ def test_old_trainer_arguments_are_answered_with_the_current_spelling(cores8, ar
 def test_one_core_is_refused_before_it_starts_the_runtime_in_the_notebook(cores8):
     with pytest.raises(tpunb.TpunbError, match="Leave devices out"):
         tpunb.lightning.trainer(devices=1)
+
+
+def test_on_one_core_as_on_colab_the_rank_trains_in_a_child_and_the_kernel_can_launch_again(
+    tmp_path,
+):
+    result = run_python(
+        f"""
+        import pathlib, sys
+        sys.path.insert(0, {str(pathlib.Path(__file__).parent)!r})
+        import tpunb
+        tpunb.simulate(cores=1)
+        from torch.utils.data import DataLoader
+        import test_lightning as t
+        import tpunb.lightning
+
+        network = t._network()
+        model = t.Regression(network)
+        trainer = tpunb.lightning.trainer(max_epochs=1, live=False, **t._quiet({str(tmp_path)!r}))
+        print(type(trainer.strategy).__name__, trainer.num_devices)
+        trainer.fit(model, DataLoader(t.Indexed(), batch_size=t.BATCH))
+        print("XLA runtime started here:", tpunb.env().runtime_started)
+        t._assert_trained_like(model, t._reference(network, epochs=1), network)  # a launch
+        print("trained as tpunb.launch + shard train on 1 core")
+        """,
+        timeout=300,
+    )
+    assert result.stdout.splitlines() == [
+        "OneCoreXLAStrategy 1",
+        "XLA runtime started here: False",
+        "trained as tpunb.launch + shard train on 1 core",
+    ], result.stderr
 
 
 def _old_tutorial(rank):

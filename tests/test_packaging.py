@@ -2,17 +2,17 @@
 every notebook say the same, and the built sdist and wheel install alone in a clean venv."""
 
 import json
-import pathlib
 import re
 import subprocess
 import sys
 import venv
 import zipfile
 
+from conftest import ROOT
+
 import tpunb
 from tpunb import versions
 
-ROOT = pathlib.Path(__file__).parent.parent
 SOURCE = re.compile(r"git\+https://[^\s\"'`\\]+")
 
 

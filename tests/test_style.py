@@ -1,10 +1,10 @@
 """The code keeps the style pyproject.toml declares (ruff: lint rules and formatting)."""
 
-import pathlib
 import subprocess
 import sys
 
-ROOT = pathlib.Path(__file__).parent.parent
+from conftest import ROOT
+
 CODE = ["tpunb", "tests", "benchmarks"]
 
 

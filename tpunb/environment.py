@@ -107,7 +107,7 @@ def _warnings(report):
         )
     if report.layout is None:
         yield "No TPU here: call tpunb.simulate(cores=8) to simulate 8 TPU cores on the CPU."
-    if report.cores == 1:
+    if report.cores == 1 and report.tpu is not None:
         yield (
             "Only 1 TPU core (Colab's TPU is a v5e-1 or a v6e-1): data parallelism has nothing "
             "to split here. Kaggle's TPU, a v5e-8, has 8. To watch 8 cores in this notebook, "

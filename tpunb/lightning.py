@@ -9,8 +9,9 @@
 ``trainer(...)`` builds a ``lightning.Trainer(accelerator="tpu", devices="auto", ...)``
 whose launcher is Lightning's XLA launcher watched by tpunb: the notebook shows the live
 view while the cores train, a failing rank stops the others with its traceback, and a
-hang is reported instead of waiting forever. A plain ``Trainer(accelerator="tpu",
-devices=8)`` works too (on simulated cores as well, after ``tpunb.simulate``), without
+hang is reported instead of waiting forever. On one core (Colab's TPU) the rank runs in a
+child process, so that the kernel can launch again. A plain ``Trainer(accelerator="tpu")``
+works too (on simulated cores as well, after ``tpunb.simulate``), without
 the view. Requires the ``lightning`` package (``pip install lightning``, which keeps the
 installed torch).
 """
@@ -18,6 +19,7 @@ installed torch).
 import contextlib
 import importlib.util
 import logging
+import multiprocessing
 
 from tpunb import live as live_view
 from tpunb import metrics, migration
@@ -32,8 +34,10 @@ if importlib.util.find_spec("lightning") is None:
     )
 
 import lightning.pytorch as pl  # noqa: E402
+from lightning.pytorch.strategies import XLAStrategy  # noqa: E402
 from lightning.pytorch.strategies.launchers.xla import _XLALauncher  # noqa: E402
 from lightning.pytorch.trainer.states import TrainerFn  # noqa: E402
+from lightning.pytorch.utilities.rank_zero import rank_zero_only  # noqa: E402
 
 # Lightning's loggers: their INFO lines (the hardware found, a cloud-logging tip, "fit
 # stopped") say nothing the live view does not, and show twice in notebooks, where
@@ -130,6 +134,8 @@ def trainer(*, live="auto", hang_timeout=600, **trainer_arguments):
     trainer_arguments.setdefault("accelerator", "tpu")
     trainer_arguments.setdefault("devices", "auto")
     trainer_arguments.setdefault("enable_progress_bar", False)
+    if plan.cores == 1:
+        trainer_arguments.setdefault("strategy", OneCoreXLAStrategy())
     devices = trainer_arguments["devices"]
     if devices not in ("auto", -1, "-1", plan.cores, str(plan.cores)):
         raise TpunbError(
@@ -207,6 +213,20 @@ class _WatchedXLALauncher(_XLALauncher):
         return trained_weights_back(_XLALauncher._collect_rank_zero_results, self, trainer, results)
 
 
+class OneCoreXLAStrategy(XLAStrategy):
+    """Lightning's XLA strategy on a TPU of one core (Colab's), its rank in a child process.
+
+    For one device Lightning uses ``SingleDeviceXLAStrategy``, which trains in the calling
+    process and starts the XLA runtime there as the Trainer is built: in a notebook, no
+    later launch could run. ``XLAStrategy`` refuses one device under PjRT because
+    ``xmp.spawn(nprocs=1)`` would run the rank in the calling process
+    (https://github.com/Lightning-AI/pytorch-lightning/pull/17408); tpunb's launcher runs
+    it in a child process instead (``_launch_one_core``), so one device is fine here."""
+
+    def setup_distributed(self):
+        rank_zero_only.rank = self.global_rank
+
+
 class _LightningRanks(base.Launcher):
     """Starts the ranks through Lightning's own XLA launcher; keeps what it returned."""
 
@@ -219,6 +239,37 @@ class _LightningRanks(base.Launcher):
     def start(self, key):
         function, args, trainer, kwargs = self.call
         self.launcher._key = key  # pickled with the launcher into every rank
-        self.returned = _XLALauncher.launch(
-            self.launcher, function, *args, trainer=trainer, **kwargs
+        launch = _XLALauncher.launch if self.cores > 1 else _launch_one_core
+        self.returned = launch(self.launcher, function, *args, trainer=trainer, **kwargs)
+
+
+def _launch_one_core(launcher, function, *args, trainer=None, **kwargs):
+    """``_XLALauncher.launch`` for one core, with the rank in a forked child process.
+
+    For one device Lightning calls ``xmp.spawn(nprocs=1)``, which runs the rank in the
+    calling process: here the notebook's kernel, whose XLA runtime would then stay started
+    and no later launch could run. As ``tpunb.launch`` does on one core, a child process
+    makes that call, and the rank's results come back through Lightning's own queue."""
+    with multiprocessing.Manager() as manager:
+        results = manager.Queue()
+        child = multiprocessing.get_context("fork").Process(
+            target=_spawn_one_rank,
+            args=(launcher._wrapping_function, (trainer, function, args, kwargs, results)),
+            name="tpunb-core-0",
         )
+        child.start()
+        child.join()
+        if child.exitcode != 0:  # the rank has reported why, or the supervisor will
+            raise RuntimeError(f"the process of core 0 exited with code {child.exitcode}")
+        worker_output = results.get()
+    if trainer is None:
+        return worker_output
+    launcher._already_fit |= trainer.state.fn == TrainerFn.FITTING
+    launcher._recover_results_in_main_process(worker_output, trainer)
+    return worker_output.trainer_results
+
+
+def _spawn_one_rank(function, args):
+    import torch_xla.distributed.xla_multiprocessing as xmp
+
+    xmp.spawn(function, args=args, nprocs=1, start_method="fork")
