@@ -15,8 +15,9 @@ SAYS_ON_ONE_CORE = {
     "01_core_count.ipynb": ["rank 0: world_size 1, global ordinal 0", "tpunb.launch: The XLA"],
     "02_sampler.ipynb": ["With 1 core there is nothing to split", "seen by every core: 1792"],
     "03_batch_size.ipynb": ["With 1 core the global batch is the per-core batch"],
-    "04_shapes.ipynb": ["cores: 1", "batch shapes  4"],
-    "05_lightning.ipynb": ["OneCoreXLAStrategy, cores: 1", "distinct samples: 1792 of 1797"],
+    "04_tensor_evaluation.ipynb": ["cores: 1", "loss.item()                graphs run a step: 2"],
+    "05_shapes.ipynb": ["cores: 1", "batch shapes  4"],
+    "06_lightning.ipynb": ["OneCoreXLAStrategy, cores: 1", "distinct samples: 1792 of 1797"],
 }
 
 

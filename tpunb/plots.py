@@ -1,5 +1,6 @@
 """Figures of a launch's history: each logged value per core, samples/s per core and in
-total, and compilations per step. matplotlib is imported only when a figure is drawn."""
+total, and compilations per step; and the lessons' small figures, each one call. matplotlib
+is imported only when a figure is drawn."""
 
 from tpunb import platform, versions
 from tpunb.errors import TpunbError
@@ -13,13 +14,7 @@ def history_figure(history, width=10.0, panel_height=2.6, fixed_layout=False):
     loader's batches were recorded) and one for compilations per step. ``fixed_layout``
     sets margins instead of computing them: the figure draws in half the time (live
     frames)."""
-    try:
-        from matplotlib.figure import Figure
-    except ImportError:
-        raise TpunbError(
-            "Plotting needs matplotlib: pip install matplotlib (or "
-            f'pip install "{versions.requirement("plots")}").'
-        ) from None
+    Figure = _figure_class()
     panels = [(name, _draw_values) for name in history.names()]
     if any(s.samples for steps in history.steps.values() for s in steps):
         panels.append(("samples/s", _draw_throughput))
@@ -48,6 +43,46 @@ def history_figure(history, width=10.0, panel_height=2.6, fixed_layout=False):
         ax.grid(alpha=0.3)
     _core_legend(figure, history.ranks, "upper center" if fixed_layout else "outside upper center")
     return figure
+
+
+def lines(series, xlabel, ylabel, title=None, size=(8, 3.2)):
+    """One line per entry of ``series`` (label -> values at x = 1, 2, ...), labelled."""
+    figure, ax = _figure(size)
+    for label, values in series.items():
+        ax.plot(range(1, len(values) + 1), values, marker="o", label=label)
+    ax.set(xlabel=xlabel, ylabel=ylabel, title=title)
+    ax.legend()
+    ax.grid(alpha=0.3)
+    return shown_in_notebooks(figure)
+
+
+def bars(values, xlabel, title=None, size=(8, 3.2)):
+    """Horizontal bars, one per entry of ``values`` (label -> number), top to bottom, each
+    with its number written beside it."""
+    figure, ax = _figure(size)
+    labels = list(values)[::-1]
+    drawn = ax.barh(labels, [values[label] for label in labels], color="tab:blue")
+    ax.bar_label(drawn, fmt="%.3g", padding=3)
+    ax.set(xlabel=xlabel, title=title)
+    ax.margins(x=0.15)
+    return shown_in_notebooks(figure)
+
+
+def _figure(size):
+    figure = _figure_class()(figsize=size, layout="constrained")
+    return figure, figure.subplots()
+
+
+def _figure_class():
+    """matplotlib's Figure (not pyplot: no global state, no GUI backend)."""
+    try:
+        from matplotlib.figure import Figure
+    except ImportError:
+        raise TpunbError(
+            "Plotting needs matplotlib: pip install matplotlib (or "
+            f'pip install "{versions.requirement("plots")}").'
+        ) from None
+    return Figure
 
 
 def shown_in_notebooks(figure):
