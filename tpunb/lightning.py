@@ -24,7 +24,7 @@ import multiprocessing
 from tpunb import live as live_view
 from tpunb import metrics, migration
 from tpunb.errors import TpunbError
-from tpunb.launcher import base, preflight, rank, recorder, supervisor
+from tpunb.launcher import base, one_core, preflight, rank, recorder, supervisor
 from tpunb.simulation.lightning import trained_weights_back
 
 if importlib.util.find_spec("lightning") is None:
@@ -252,24 +252,14 @@ def _launch_one_core(launcher, function, *args, trainer=None, **kwargs):
     makes that call, and the rank's results come back through Lightning's own queue."""
     with multiprocessing.Manager() as manager:
         results = manager.Queue()
-        child = multiprocessing.get_context("fork").Process(
-            target=_spawn_one_rank,
-            args=(launcher._wrapping_function, (trainer, function, args, kwargs, results)),
-            name="tpunb-core-0",
+        exitcode = one_core.in_a_child_process(
+            launcher._wrapping_function, trainer, function, args, kwargs, results
         )
-        child.start()
-        child.join()
-        if child.exitcode != 0:  # the rank has reported why, or the supervisor will
-            raise RuntimeError(f"the process of core 0 exited with code {child.exitcode}")
+        if exitcode != 0:  # the rank has reported why, or the supervisor will
+            raise RuntimeError(f"the process of core 0 exited with code {exitcode}")
         worker_output = results.get()
     if trainer is None:
         return worker_output
     launcher._already_fit |= trainer.state.fn == TrainerFn.FITTING
     launcher._recover_results_in_main_process(worker_output, trainer)
     return worker_output.trainer_results
-
-
-def _spawn_one_rank(function, args):
-    import torch_xla.distributed.xla_multiprocessing as xmp
-
-    xmp.spawn(function, args=args, nprocs=1, start_method="fork")

@@ -15,14 +15,21 @@ class OneCore(Launcher):
         super().__init__(cores=1)
 
     def start(self, key):
-        process = multiprocessing.get_context("fork").Process(
-            target=_run, args=(key,), name="tpunb-core-0"
-        )
-        process.start()
-        process.join()
+        in_a_child_process(functools.partial(rank.run, key))
 
 
-def _run(key):
+def in_a_child_process(function, *args):
+    """``xmp.spawn(function, args, nprocs=1)`` in a forked child, waited for; returns the
+    child's exit code. (Also tpunb.lightning's launcher on one core.)"""
+    process = multiprocessing.get_context("fork").Process(
+        target=_spawn_one_rank, args=(function, args), name="tpunb-core-0"
+    )
+    process.start()
+    process.join()
+    return process.exitcode
+
+
+def _spawn_one_rank(function, args):
     import torch_xla.distributed.xla_multiprocessing as xmp
 
-    xmp.spawn(functools.partial(rank.run, key), nprocs=1)
+    xmp.spawn(function, args=args, nprocs=1, start_method="fork")
