@@ -84,6 +84,7 @@ class CompileWatch:
         self._shapes = {}  # batch shape -> first step seen (ordered)
         self._new_by_step = collections.defaultdict(list)  # step -> shapes first seen there
         self._framework_steps = set()
+        self._places = {}  # step -> where the training loop was: "epoch 2, batch 3"
         self._batch_sizes = collections.Counter()
         self._warned = set()
         self.compiles = self.warmup_compiles = 0
@@ -131,6 +132,8 @@ class CompileWatch:
                 break
             warnings += self._warnings_at(self._next_step)
             del self._registers[self._next_step]
+            if not self._new_by_step.get(self._next_step):  # kept: a new shape's place
+                self._places.pop(self._next_step, None)
             self._next_step += 1
         return warnings
 
@@ -143,6 +146,10 @@ class CompileWatch:
         if any(s.epoch == 0 and (s.epoch_batch or 0) <= WARMUP_BATCHES for s in by_rank.values()):
             self._warmup_end = max(self._warmup_end, number + 1)
         self._training_started |= any(s.epoch is not None for s in by_rank.values())
+        for s in by_rank.values():
+            if s.epoch is not None and s.epoch_batch:
+                self._places[number] = f"epoch {s.epoch + 1}, batch {s.epoch_batch}"
+                break
         reports = [s for s in by_rank.values() if s.compiles is not None]
         spans = [s.process_steps for s in reports if s.process_steps is not None]
         span = (min(lo for lo, _ in spans), max(hi for _, hi in spans)) if spans else None
@@ -201,6 +208,11 @@ class CompileWatch:
                 warnings.append(message)
         return warnings
 
+    def _place(self, number):
+        """Where step ``number`` was, as a learner counts: "epoch 2, batch 3" (a step a
+        torch_xla.sync() where no torch_xla loader hands out the batches)."""
+        return self._places.get(number, f"step {number}")
+
     def _shapes_through(self, number):
         return sum(1 for first in self._shapes.values() if first <= number)
 
@@ -209,9 +221,10 @@ class CompileWatch:
 
     def _compile_cause(self, number, compiles, new):
         graphs = reports.count(compiles, "new graph")
+        where = self._place(number)
         if not new:
             return "graph", (
-                f"step {number} compiled {graphs} with batch shapes seen before: the graph "
+                f"{where} compiled {graphs} with batch shapes seen before: the graph "
                 "itself changed, e.g. a Python branch on a tensor value, a value that is a "
                 "Python number one step and another the next, or a different code path "
                 "(evaluation, logging). Keep the step's code path the same every step."
@@ -220,13 +233,13 @@ class CompileWatch:
         short = [key for key in new if key[0] and key[0][0] < usual]
         if short and len(short) == len(new):
             return "short batch", (
-                f"step {number} compiled {graphs}: batch shape {_format(short[0])} is smaller "
+                f"{where} compiled {graphs}: batch shape {_format(short[0])} is smaller "
                 f"than the usual batch of {usual}, the short last batch of an epoch. Build the "
                 "DataLoader with drop_last=True, or pad it to the full batch with "
                 f"tpunb.BucketCollate(..., batch_size={usual})."
             )
         return "shapes", (
-            f"step {number} compiled {graphs}: batch shape {_format(new[0])} not seen before; "
+            f"{where} compiled {graphs}: batch shape {_format(new[0])} not seen before; "
             f"{reports.count(self._shapes_through(number), 'distinct shape')} so far. Every new "
             "shape is a new graph to compile. Pad to buckets: DataLoader(..., collate_fn="
             "tpunb.BucketCollate(tpunb.choose_buckets(lengths, 4, batch_size=...))) gives at "
@@ -236,7 +249,7 @@ class CompileWatch:
     def _fallback_message(self, number, op):
         why = _FALLBACK_CAUSES.get(op, "an op torch_xla has no XLA lowering for")
         return (
-            f"step {number} ran {op} on the CPU (a fallback: the step's graph is cut there "
+            f"{self._place(number)} ran {op} on the CPU (a fallback: the step's graph is cut there "
             f"and data goes through the host). Likely cause: {why}."
         )
 

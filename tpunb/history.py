@@ -37,9 +37,34 @@ class Step:
     framework: bool = False
 
 
+def _training_steps(steps):
+    """The training step each record ends in, and the training steps after which a new
+    epoch begins. A training step is a batch of the training loader: the k-th batch a rank
+    was handed out, counted across epochs, is its step k; records before the first batch
+    are at 0, and the syncs a loop makes besides its steps (an epoch's end, a framework's
+    own) share the step before them. A rank that read no batch through a torch_xla loader
+    has a step a ``torch_xla.sync()``."""
+    xs, epoch_starts = [], []
+    start = done = 0
+    epoch = None
+    for s in steps:
+        if s.epoch is not None and s.epoch_batch:
+            if s.epoch != epoch:
+                if epoch is not None:
+                    start = done
+                    epoch_starts.append(start)
+                epoch = s.epoch
+            done = start + s.epoch_batch
+        xs.append(done)
+    if epoch is None:  # no torch_xla loader: each sync ends a step
+        return [s.step for s in steps], []
+    return xs, epoch_starts
+
+
 def _rates(steps, over):
     """One rank's samples/s at each of its steps (after the first batch), over the last
-    ``over`` steps: a running sum, cheap however long the run."""
+    ``over`` steps: a running sum, cheap however long the run. Returns the records'
+    positions in ``steps`` and the rates."""
     numbers, rates = [], []
     start = next((i for i, s in enumerate(steps) if s.samples), None)
     if start is None:
@@ -52,7 +77,7 @@ def _rates(steps, over):
             in_window -= steps[first].samples
         span = steps[end].time - steps[first].time
         if span > 0:
-            numbers.append(steps[end].step)
+            numbers.append(end)
             rates.append(in_window / span)
     return numbers, rates
 
@@ -85,34 +110,54 @@ class History:
         """The names given to ``tpunb.log``, in the order first seen."""
         return list(self._names)
 
+    def training_steps(self, rank):
+        """The training step of each of ``rank``'s records (``steps[rank]``): the batches
+        of the training loader it had been handed out by then, counted across epochs."""
+        return _training_steps(self.steps[rank])[0]
+
+    def epoch_starts(self):
+        """The training steps after which a new epoch began (on rank 0)."""
+        return _training_steps(self.steps[0])[1]
+
     def values(self, name):
-        """{rank: ([step, ...], [value, ...])} for the steps where ``name`` was logged."""
+        """{rank: ([training step, ...], [value, ...])} where ``name`` was logged."""
         found = {}
         for rank, steps in self.steps.items():
-            pairs = [(s.step, s.values[name]) for s in steps if name in s.values]
+            at = self.training_steps(rank)
+            pairs = [
+                (x, s.values[name]) for x, s in zip(at, steps, strict=True) if name in s.values
+            ]
             if pairs:
                 found[rank] = tuple(map(list, zip(*pairs, strict=True)))
         return found
 
     def compiles_per_step(self):
-        """[(step, compilations, compile seconds)] summed over the processes' reports."""
+        """[(training step, compilations, compile seconds)] summed over the processes'
+        reports; compilations before the first batch are at step 0."""
         totals = {}
-        for steps in self.steps.values():
-            for s in steps:
+        for rank, steps in self.steps.items():
+            for x, s in zip(self.training_steps(rank), steps, strict=True):
                 if s.compiles is not None:
-                    count, seconds = totals.get(s.step, (0, 0.0))
-                    totals[s.step] = (count + s.compiles, seconds + s.compile_seconds)
-        return [(step, *totals[step]) for step in sorted(totals)]
+                    count, seconds = totals.get(x, (0, 0.0))
+                    totals[x] = (count + s.compiles, seconds + s.compile_seconds)
+        return [(x, *totals[x]) for x in sorted(totals)]
 
     def samples_per_second(self, rank=None, over=10):
-        """([step, ...], [samples/s, ...]) of ``rank``, each over its last ``over`` steps
-        (timed in the rank). ``rank=None``: all ranks together, at the steps every rank
-        has."""
+        """([training step, ...], [samples/s, ...]) of ``rank``, each over its last
+        ``over`` records (timed in the rank). ``rank=None``: all ranks together, at the
+        training steps every rank has."""
         if rank is not None:
-            return _rates(self.steps[rank], over)
-        per_rank = [dict(zip(*_rates(steps, over), strict=True)) for steps in self.steps.values()]
+            return self._rates_at_training_steps(rank, over)
+        per_rank = [
+            dict(zip(*self._rates_at_training_steps(r, over), strict=True)) for r in self.steps
+        ]
         steps = sorted(set.intersection(*(set(rates) for rates in per_rank)))
         return steps, [sum(rates[step] for rates in per_rank) for step in steps]
+
+    def _rates_at_training_steps(self, rank, over):
+        at = self.training_steps(rank)
+        positions, rates = _rates(self.steps[rank], over)
+        return [at[p] for p in positions], rates
 
     def current_samples_per_second(self, over=10):
         """All ranks' samples/s over their last ``over`` steps (None before that can be

@@ -5,7 +5,8 @@ is imported only when a figure is drawn."""
 from tpunb import platform, versions
 from tpunb.errors import TpunbError
 
-STEP = "step (one a torch_xla.sync, epoch ends included)"
+STEP = "training step (one batch on each core)"
+SMOOTH_FROM = 20  # points in a line from which it is drawn smoothed over the raw one
 DPI = 90  # figures shown in a notebook
 
 
@@ -38,9 +39,12 @@ def history_figure(history, width=10.0, panel_height=2.6, fixed_layout=False):
             bottom=0.5 / height,
             hspace=0.85 / (panel_height - 0.85),
         )
+    epoch_starts = history.epoch_starts()
     for ax, (name, draw) in zip(axes, panels, strict=True):
         draw(ax, history, name)
         ax.grid(alpha=0.3)
+        ax.set_xlim(left=0)
+        _mark_epochs(ax, epoch_starts)
     _core_legend(figure, history.ranks, "upper center" if fixed_layout else "outside upper center")
     return figure
 
@@ -118,20 +122,66 @@ def _core_colors(ranks):
     return [palette(rank % 10) for rank in range(ranks)]
 
 
+def _mark_epochs(ax, starts):
+    """A dashed line where each epoch after the first begins, named at the top."""
+    if not starts:
+        return
+    label_every = -(-len(starts) // 12)  # at most about 12 names, however many epochs
+    for number, start in enumerate(starts, start=2):
+        ax.axvline(start + 0.5, color="gray", lw=0.8, ls="--", alpha=0.6)
+        if (number - 2) % label_every == 0:
+            ax.annotate(
+                f"epoch {number}",
+                (start + 0.5, 1),
+                xycoords=("data", "axes fraction"),
+                xytext=(2, -2),
+                textcoords="offset points",
+                va="top",
+                fontsize=7,
+                color="gray",
+            )
+
+
+def smoothed(values):
+    """A moving average centred on each point, over about a tenth of the line (at least 3
+    points; fewer at the ends): it follows the trend without lagging behind it."""
+    half = max(1, round(len(values) / 20))
+    sums = [0.0]
+    for value in values:
+        sums.append(sums[-1] + value)
+    out = []
+    for i in range(len(values)):
+        low, high = max(0, i - half), min(len(values), i + half + 1)
+        out.append((sums[high] - sums[low]) / (high - low))
+    return out
+
+
 def _draw_values(ax, history, name):
     colors = _core_colors(history.ranks)
-    for rank, (steps, values) in history.values(name).items():
-        ax.plot(steps, values, color=colors[rank], lw=1.2, label=f"core {rank}")
-    ax.set(title=f"{name} per core", xlabel=STEP, ylabel=name)
+    lines = history.values(name)
+    first = next(iter(lines.values()))
+    if len(lines) > 1 and all(line == first for line in lines.values()):
+        # The same on every core (e.g. a learning rate): one line, said to be all of them.
+        ax.plot(*first, color="black", lw=1.4, label="every core (equal)")
+        ax.legend(loc="best", fontsize=8, frameon=False)
+        ax.set(title=f"{name} (the same on every core)", xlabel=STEP, ylabel=name)
+        return
+    for rank, (steps, values) in lines.items():
+        if len(values) >= SMOOTH_FROM:  # raw values faint, their trend drawn over them
+            ax.plot(steps, values, color=colors[rank], lw=0.6, alpha=0.25)
+            values = smoothed(values)
+        ax.plot(steps, values, color=colors[rank], lw=1.4, alpha=0.85, label=f"core {rank}")
+    faint = " (faint: each step; bold: smoothed)" if len(first[1]) >= SMOOTH_FROM else ""
+    ax.set(title=f"{name} per core{faint}", xlabel=STEP, ylabel=name)
 
 
 def _draw_throughput(ax, history, _name):
     colors = _core_colors(history.ranks)
     for rank in range(history.ranks):
-        ax.plot(*history.samples_per_second(rank), color=colors[rank], lw=0.8, alpha=0.7)
+        ax.plot(*history.samples_per_second(rank), color=colors[rank], lw=0.8, alpha=0.5)
     ax.plot(*history.samples_per_second(), color="black", lw=1.6, label="all cores")
     ax.set(
-        title="samples/s (thin: each core; black: all cores)",
+        title="samples/s (thin: each core; black: all cores together)",
         xlabel=STEP,
         ylabel="samples/s",
         ylim=(0, None),
@@ -139,17 +189,30 @@ def _draw_throughput(ax, history, _name):
 
 
 def _draw_compiles(ax, history, _name):
+    from tpunb.compile_watch import WARMUP_BATCHES
+
     steps, counts, seconds = zip(*history.compiles_per_step(), strict=True)
-    compiled = [(step, count) for step, count in zip(steps, counts, strict=True) if count]
-    if compiled:  # one bar a step that compiled: a few patches, however long the run
-        width = max(0.8, steps[-1] / 150)  # visible however many steps
-        ax.bar(*zip(*compiled, strict=True), color="tab:red", width=width)
-    ax.set(title="new compilations per step (all processes)", xlabel=STEP, ylabel="graphs")
+    width = max(0.8, steps[-1] / 150)  # visible however many steps
+    warmup = [(x, n) for x, n in zip(steps, counts, strict=True) if n and x <= WARMUP_BATCHES]
+    later = [(x, n) for x, n in zip(steps, counts, strict=True) if n and x > WARMUP_BATCHES]
+    for bars, color, label in (
+        (warmup, "tab:gray", "warm-up: the first steps compile the graphs"),
+        (later, "tab:red", "later: a graph not seen before (new shape?)"),
+    ):
+        if bars:  # one bar a step that compiled: a few patches, however long the run
+            drawn = ax.bar(*zip(*bars, strict=True), color=color, width=width, label=label)
+            if len(bars) <= 30:
+                ax.bar_label(drawn, fontsize=7, padding=1)
+    ax.set(title="graphs compiled per training step (all cores)", xlabel=STEP, ylabel="graphs")
+    ax.margins(y=0.2)
     twin = ax.twinx()
     total = 0.0
     cumulative = []
     for s in seconds:
         total += s
         cumulative.append(total)
-    twin.plot(steps, cumulative, color="tab:gray", lw=1.2)
-    twin.set_ylabel("compile seconds, cumulative")
+    twin.plot(steps, cumulative, color="black", lw=1, alpha=0.6, label="compile seconds so far")
+    twin.set_ylabel("compile seconds, total")
+    twin.set_ylim(bottom=0)
+    handles = [h for a in (ax, twin) for h in a.get_legend_handles_labels()[0]]
+    ax.legend(handles=handles, loc="center right", fontsize=8, frameon=False)
