@@ -165,6 +165,34 @@ def test_item_in_the_step_is_reported_as_a_cpu_fallback(cores8):
     assert "CPU fallback aten::_local_scalar_dense" in str(results.compiles)
 
 
+def _reads_values_the_torch_xla_way(rank, model, loader):
+    """Reads device values only after a step's sync: in a step closure, through
+    xm.mesh_reduce and xm.rendezvous (each calls .item() on computed values)."""
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+
+    model = copy.deepcopy(model).to(torch_xla.device())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    losses = []
+    for inputs, targets, lengths in tpunb.shard(loader):
+        loss = ((model(inputs).squeeze(-1).sum(1) / lengths - targets) ** 2).mean()
+        loss.backward()
+        xm.optimizer_step(optimizer)
+        optimizer.zero_grad()
+        xm.add_step_closure(lambda loss: losses.append(loss.item()), args=(loss,))
+    xm.rendezvous("losses read")
+    return xm.mesh_reduce("steps", len(losses), sum)
+
+
+def test_values_read_after_the_sync_by_torch_xlas_helpers_are_not_fallbacks(cores8):
+    loader = DataLoader(_sequences(), batch_size=8, collate_fn=tpunb.BucketCollate([LENGTHS.stop]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tpunb.TpunbWarning)
+        results = tpunb.launch(_reads_values_the_torch_xla_way, _model(), loader, live=False)
+    assert list(results) == [8 * (1024 // 8 // 8)] * 8  # every closure ran on every rank
+    assert results.compiles.fallbacks.get("aten::_local_scalar_dense", 0) == 0
+
+
 def test_a_short_last_batch_is_named_and_padding_it_removes_the_compilation(cores8):
     def run(collate):
         loader = DataLoader(_sequences(count=1000), batch_size=8, collate_fn=collate)

@@ -37,6 +37,7 @@ _FALLBACK_CAUSES = {
 # steps the processes' ranks were in meanwhile (lowest, highest; None when unknown), and
 # whether one of them was in its work after its function returned.
 _Register = collections.namedtuple("_Register", "compiles fallbacks span closing")
+# compiles: those the step itself may have caused (torch_xla's helpers' own left out)
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
@@ -45,6 +46,7 @@ class CompileSummary(reports.Report):
 
     compiles: int
     warmup_compiles: int
+    helper_compiles: int  # graphs of xm.rendezvous, xm.mesh_reduce, step closures
     compile_seconds: float
     steps: int
     shapes: list  # distinct batch shapes, in the order first seen
@@ -53,17 +55,24 @@ class CompileSummary(reports.Report):
 
     @property
     def compiles_after_warmup(self):
-        return self.compiles - self.warmup_compiles
+        """The training steps' own compilations after the warm-up."""
+        return self.compiles - self.warmup_compiles - self.helper_compiles
 
     def _content(self):
         rows = [
-            ("compilations", f"{self.compiles} ({self.warmup_compiles} in the warm-up)"),
+            ("compilations", self._compilations()),
             ("compile time", f"{self.compile_seconds:.1f} s"),
             ("steps", str(self.steps)),
             ("batch shapes", str(len(self.shapes))),
         ]
         rows += [(f"CPU fallback {op}", f"{n} times") for op, n in self.fallbacks.items()]
         return "Compilations", rows, self.causes
+
+    def _compilations(self):
+        parts = [f"{self.warmup_compiles} in the warm-up"]
+        if self.helper_compiles:
+            parts.append(f"{self.helper_compiles} in torch_xla's rendezvous and step closures")
+        return f"{self.compiles} ({', '.join(parts)})"
 
 
 class CompileWatch:
@@ -87,7 +96,7 @@ class CompileWatch:
         self._places = {}  # step -> where the training loop was: "epoch 2, batch 3"
         self._batch_sizes = collections.Counter()
         self._warned = set()
-        self.compiles = self.warmup_compiles = 0
+        self.compiles = self.warmup_compiles = self.helper_compiles = 0
         self.compile_seconds = 0.0
         self.fallbacks = collections.Counter()
         self.causes = {}  # cause key -> message
@@ -108,6 +117,7 @@ class CompileWatch:
         return CompileSummary(
             self.compiles,
             self.warmup_compiles,
+            self.helper_compiles,
             self.compile_seconds,
             self._registered,
             list(self._shapes),
@@ -155,6 +165,9 @@ class CompileWatch:
         span = (min(lo for lo, _ in spans), max(hi for _, hi in spans)) if spans else None
         compiles = sum(s.compiles for s in reports)
         self.compiles += compiles
+        helpers = sum(s.helper_compiles or 0 for s in reports)
+        self.helper_compiles += helpers
+        compiles -= helpers
         self.compile_seconds += sum(s.compile_seconds for s in reports)
         fallbacks = collections.Counter()
         for s in reports:

@@ -35,6 +35,9 @@ class Step:
     epoch_batches: int | None = None
     # A step of a framework's own setup or teardown (Lightning's), not of training.
     framework: bool = False
+    # Of ``compiles``, those of torch_xla's helpers that read values after a sync
+    # (xm.rendezvous, xm.mesh_reduce, step closures): their own graphs, not the step's.
+    helper_compiles: int | None = None
 
 
 def _training_steps(steps):

@@ -1,8 +1,11 @@
 """Where tpunb sees a rank's steps: for the duration of a launch, in the parent,
 ``torch_xla.sync`` and torch_xla's per-device loader are wrapped so that each sync ends a
 step (for the hang watchdog's heartbeat and the step records) and each batch a loader
-hands out is recorded. The fork hands the wrappers to the ranks; the parent's own
-behaviour is unchanged (no rank runs in it) and restored afterwards."""
+hands out is recorded. torch_xla's helpers that read device values only after a sync
+(``xm.add_step_closure``'s closures, ``xm.rendezvous`` and ``xm.mesh_reduce`` through
+``xm.xla_rendezvous``) have the CPU fallbacks they make excused: they cut no graph. The
+fork hands the wrappers to the ranks; the parent's own behaviour is unchanged (no rank
+runs in it) and restored afterwards."""
 
 import contextlib
 
@@ -12,11 +15,14 @@ from tpunb.launcher import heartbeat, recorder
 @contextlib.contextmanager
 def installed():
     import torch_xla
+    import torch_xla.core.xla_model as xm
     import torch_xla.distributed.parallel_loader as pl
     import torch_xla.torch_xla as torch_xla_module
 
     sync = torch_xla.sync
     next_batch = pl.PerDeviceLoader.next
+    add_step_closure = xm.add_step_closure
+    xla_rendezvous = xm.xla_rendezvous
 
     def sync_ending_a_step(*args, **kwargs):
         result = sync(*args, **kwargs)
@@ -33,11 +39,20 @@ def installed():
             steps.batch(batch, self)
         return batch
 
+    def add_excused_step_closure(closure, *args, **kwargs):
+        # A closure runs after the step's sync, on computed values: its .item() cuts no graph.
+        return add_step_closure(recorder.excusing_fallbacks(closure), *args, **kwargs)
+
     # torch_xla.compile and the loaders call the module's sync, user code the package's.
     torch_xla.sync = torch_xla_module.sync = sync_ending_a_step
     pl.PerDeviceLoader.next = next_recorded
+    xm.add_step_closure = add_excused_step_closure
+    # xm.rendezvous and xm.mesh_reduce call it; it reads the gathered sizes after a sync.
+    xm.xla_rendezvous = recorder.excusing_fallbacks(xla_rendezvous)
     try:
         yield
     finally:
         torch_xla.sync = torch_xla_module.sync = sync
         pl.PerDeviceLoader.next = next_batch
+        xm.add_step_closure = add_step_closure
+        xm.xla_rendezvous = xla_rendezvous

@@ -4,6 +4,8 @@ notebook in batches (``messages.Steps``). A step's record holds the values given
 process, the process's new compilations, compile time and CPU fallback ops (torch_xla's
 metrics are per process)."""
 
+import collections
+import functools
 import os
 import threading
 import time
@@ -14,6 +16,14 @@ from tpunb.launcher.messages import Steps
 
 FLUSH_SECONDS = 0.5  # at most this long between a step and its record reaching the notebook
 _rank = threading.local()  # in a rank's thread: its Recorder
+# CPU fallbacks of this process that cut no graph (op -> times), made by torch_xla's own
+# helpers after a sync; the process's counters leave them out.
+_excused = collections.Counter()
+_excused_lock = threading.Lock()
+# The process's threads now in such a helper (their counts are not final yet), and the
+# fallback counts when the first of them entered.
+_excusing = [0, {}]
+_COMPILES = "UncachedCompile"
 
 
 class Recorder:
@@ -149,6 +159,40 @@ def current():
     return getattr(_rank, "recorder", None)
 
 
+def excusing_fallbacks(function):
+    """``function``, with the CPU fallbacks it makes while it runs excused: for code that
+    reads device values only after a sync (a step closure, a rendezvous), so that a
+    ``.item()`` there is not reported as cutting a step's graph."""
+
+    @functools.wraps(function)
+    def excused(*args, **kwargs):
+        with _excused_lock:
+            if not _excusing[0]:  # threads' calls overlap: count their span once
+                _excusing[1] = _fallback_counts()
+            _excusing[0] += 1
+        try:
+            return function(*args, **kwargs)
+        finally:
+            with _excused_lock:
+                _excusing[0] -= 1
+                if not _excusing[0]:
+                    before = _excusing[1]
+                    after = _fallback_counts()
+                    _excused.update({op: n - before.get(op, 0) for op, n in after.items()})
+
+    return excused
+
+
+def _fallback_counts():
+    """The process's CPU fallbacks (op -> times) and, under ``UncachedCompile``, its
+    compilations: a helper's own graphs are compiled once and are not the step's."""
+    import torch_xla.debug.metrics as met
+
+    counts = {name: met.counter_value(name) for name in met.executed_fallback_ops()}
+    counts[_COMPILES] = met.counter_value(_COMPILES) or 0
+    return counts
+
+
 def enter(recorder):
     _rank.recorder = recorder
 
@@ -223,12 +267,15 @@ class _CompileCounters:
         self._met = met
         self._heartbeat = heartbeat
         self._pid = os.getpid()
+        self._last = None
         self._last = self._read()
         self._last_ranks = self._ranks()
 
     def fill(self, record):
         """Sets ``record``'s counters to what happened since the last call."""
-        record.compiles, record.cached, record.compile_seconds, record.fallbacks = self.since_last()
+        counts = self.since_last()
+        record.compiles, record.cached, record.compile_seconds, record.fallbacks = counts[:4]
+        record.helper_compiles = counts[4]
         (steps, done, closing), before = self._ranks(), self._last_ranks
         self._last_ranks = steps, done, closing
         in_steps = steps + before[0] or [record.step]
@@ -242,8 +289,9 @@ class _CompileCounters:
         mine = [r for r in range(beat.ranks) if beat.pid(r) == self._pid]
         while not all(beat.returned(r) for r in mine):
             time.sleep(0.01)
-        compiles, cached, seconds, fallbacks = self.since_last()
+        compiles, cached, seconds, fallbacks, helper = self.since_last()
         record.compiles += compiles
+        record.helper_compiles += helper
         record.cached += cached
         record.compile_seconds += seconds
         for name, count in fallbacks.items():
@@ -262,21 +310,34 @@ class _CompileCounters:
     def _read(self):
         met = self._met
         compile_time = met.metric_data("CompileTime")
-        fallbacks = {name: met.counter_value(name) for name in met.executed_fallback_ops()}
+        with _excused_lock:
+            if _excusing[0] and self._last is not None:
+                # A thread is in a helper whose counts are excused: they are told from the
+                # others once it returns, so this step's go to a later one.
+                compiles, _, _, fallbacks, helper_compiles = self._last
+            else:
+                compiles = met.counter_value(_COMPILES) or 0
+                fallbacks = {
+                    name: met.counter_value(name) - _excused[name]
+                    for name in met.executed_fallback_ops()
+                }
+                helper_compiles = _excused[_COMPILES]
         return (
-            met.counter_value("UncachedCompile") or 0,
+            compiles,
             met.counter_value("CachedCompile") or 0,
             compile_time[1] / 1e9 if compile_time else 0.0,
             fallbacks,
+            helper_compiles,
         )
 
     def since_last(self):
         now = self._read()
-        (compiles, cached, seconds, fallbacks), before = now, self._last
+        (compiles, cached, seconds, fallbacks, helper), before = now, self._last
         self._last = now
         new_fallbacks = {
             name: count - before[3].get(name, 0)
             for name, count in fallbacks.items()
             if count != before[3].get(name, 0)
         }
-        return compiles - before[0], cached - before[1], seconds - before[2], new_fallbacks
+        since = compiles - before[0], cached - before[1], seconds - before[2]
+        return (*since, new_fallbacks, helper - before[4])
