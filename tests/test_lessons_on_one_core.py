@@ -17,7 +17,8 @@ SAYS_ON_ONE_CORE = {
     "03_batch_size.ipynb": ["With 1 core the global batch is the per-core batch"],
     "04_tensor_evaluation.ipynb": ["cores: 1", "loss.item()                graphs run a step: 2"],
     "05_shapes.ipynb": ["cores: 1", "batch shapes  4"],
-    "06_lightning.ipynb": ["OneCoreXLAStrategy, cores: 1", "distinct samples: 1792 of 1797"],
+    "06_resources.ipynb": ["cores: 1", "each sample once: ", "killed by SIGKILL"],
+    "07_lightning.ipynb": ["OneCoreXLAStrategy, cores: 1", "distinct samples: 1792 of 1797"],
 }
 
 

@@ -82,7 +82,16 @@ def replica_memory(model, batch=None, optimizer=None, autocast=None, loss=None):
     the activations of one per-core ``batch`` (the model's input, or ``(input, target)``
     with ``loss(output, target)``), measured by running one step on a CPU copy of the
     model. ``autocast``: a dtype such as ``torch.bfloat16``, to measure the step run under
-    ``torch.autocast``. The model itself is not changed."""
+    ``torch.autocast``. The model itself is not changed.
+
+    No backward pass runs: the tensors it would use are counted as the forward pass saves
+    them, and the optimizer steps on zero gradients. A backward pass in the notebook would
+    start autograd's device threads there before torch_xla's devices exist, and the
+    launches after it would fail (https://github.com/pytorch/xla/issues/4174)."""
+    return _replica_memory(model, batch, optimizer, autocast, loss)
+
+
+def _replica_memory(model, batch, optimizer, autocast, loss):
     import torch
 
     replica = copy.deepcopy(model).cpu()
@@ -93,9 +102,8 @@ def replica_memory(model, batch=None, optimizer=None, autocast=None, loss=None):
     if batch is not None:
         inputs, target = batch if isinstance(batch, (tuple, list)) else (batch, None)
         activations, cast_weights = _saved_for_backward(replica, inputs, target, loss, autocast)
-    elif optimizer is not None:  # a step needs gradients: zeros stand for them
-        for p in parameters:
-            p.grad = torch.zeros_like(p)
+    for p in parameters:  # an optimizer's step needs gradients: zeros stand for them
+        p.grad = torch.zeros_like(p)
     state = 0
     if optimizer is not None:
         chosen = optimizer(parameters)
@@ -125,9 +133,9 @@ def replica_memory_of(parameters, optimizer_states=2, bytes_per_number=4, name="
 
 
 def _saved_for_backward(model, inputs, target, loss, autocast):
-    """Bytes of the tensors autograd keeps for the backward pass of one step, then runs
-    that backward pass: (activations, weights cast to a lower precision by autocast). The
-    model's own parameters are not counted: they are the weights."""
+    """Bytes of the tensors autograd keeps for the backward pass of one step, counted as
+    the forward pass saves them: (activations, weights cast to a lower precision by
+    autocast). The model's own parameters are not counted: they are the weights."""
     import torch
 
     parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
@@ -149,10 +157,9 @@ def _saved_for_backward(model, inputs, target, loss, autocast):
                         "replica_memory got (input, target) as its batch: pass the loss "
                         "too, e.g. loss=torch.nn.functional.cross_entropy."
                     )
-                value = loss(output, target)
+                loss(output, target)
             else:
-                value = output.float().sum()
-    value.backward()
+                output.float().sum()
     return sum(activations.values()), sum(casts.values())
 
 

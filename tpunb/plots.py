@@ -2,6 +2,8 @@
 total, and compilations per step; and the lessons' small figures, each one call. matplotlib
 is imported only when a figure is drawn."""
 
+import itertools
+
 from tpunb import platform, versions
 from tpunb.errors import TpunbError
 
@@ -52,22 +54,32 @@ def history_figure(history, width=10.0, panel_height=2.6, fixed_layout=False):
 def lines(series, xlabel, ylabel, title=None, size=(8, 3.2)):
     """One line per entry of ``series`` (label -> values at x = 1, 2, ...), labelled."""
     figure, ax = _figure(size)
-    for label, values in series.items():
-        ax.plot(range(1, len(values) + 1), values, marker="o", label=label)
+    styles = [("o", "-"), ("s", "--"), ("^", ":"), ("D", "-.")]
+    for (label, values), (marker, line) in zip(series.items(), itertools.cycle(styles)):
+        # Marker and line style differ too: lines that lie on each other stay visible.
+        ax.plot(range(1, len(values) + 1), values, marker=marker, ls=line, label=label)
     ax.set(xlabel=xlabel, ylabel=ylabel, title=title)
     ax.legend()
     ax.grid(alpha=0.3)
     return shown_in_notebooks(figure)
 
 
-def bars(values, xlabel, title=None, size=(8, 3.2)):
+def bars(values, xlabel, title=None, size=(8, 3.2), marks=None, log=False):
     """Horizontal bars, one per entry of ``values`` (label -> number), top to bottom, each
-    with its number written beside it."""
+    with its number written beside it; ``marks`` (label -> number): dashed vertical lines
+    to compare the bars with, named in a legend; ``log``: a logarithmic axis."""
     figure, ax = _figure(size)
     labels = list(values)[::-1]
     drawn = ax.barh(labels, [values[label] for label in labels], color="tab:blue")
     ax.bar_label(drawn, fmt="%.3g", padding=3)
+    colors = ("tab:red", "tab:orange", "tab:green")
+    for (label, x), color in zip((marks or {}).items(), colors, strict=False):
+        ax.axvline(x, color=color, ls="--", lw=1.2, label=label)
+    if marks:
+        ax.legend(loc="lower right", fontsize=8)
     ax.set(xlabel=xlabel, title=title)
+    if log:
+        ax.set_xscale("log")
     ax.margins(x=0.15)
     return shown_in_notebooks(figure)
 

@@ -25,8 +25,9 @@ _KNOWN_CAUSES = [
 # What a signal that killed a rank's process most likely means.
 _SIGNAL_CAUSES = {
     signal.SIGKILL: "most likely the host ran out of memory and the kernel's OOM killer "
-    "stopped it; use less memory per core (smaller batches, data built once before the "
-    "launch so the fork shares it)",
+    "stopped it; use less host memory per core: data built once before the launch, as "
+    "tensors, which the fork shares (a dataset of Python objects is copied into every "
+    "process that reads it), and smaller batches",
     signal.SIGSEGV: "a crash in native code (torch, torch_xla or a C extension)",
     signal.SIGABRT: "a fatal error in native code, usually torch_xla's runtime, whose "
     "message went to stderr (shown above in a notebook, or in the Jupyter server's log)",
@@ -87,7 +88,8 @@ def lost_error(missing, exits, rank_pids, simulated, launcher_error):
         if not code:
             continue
         ranks = sorted(r for r, p in rank_pids.items() if p == pid)
-        who = f"the process of ranks {span(ranks)}" if ranks else "a launch process"
+        named = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {span(ranks)}"
+        who = f"the process of {named}" if ranks else "a launch process"
         if code < 0:
             signals.append(signal.Signals(-code).name)
             cause = _SIGNAL_CAUSES.get(-code, "")
