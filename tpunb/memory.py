@@ -88,7 +88,17 @@ def replica_memory(model, batch=None, optimizer=None, autocast=None, loss=None):
     them, and the optimizer steps on zero gradients. A backward pass in the notebook would
     start autograd's device threads there before torch_xla's devices exist, and the
     launches after it would fail (https://github.com/pytorch/xla/issues/4174)."""
-    return _replica_memory(model, batch, optimizer, autocast, loss)
+    import torch
+
+    # On one thread: a multi-threaded CPU matmul here would start OpenMP's thread team in
+    # the notebook, and a process forked after it (each launch's) hangs in its first
+    # OpenMP region (GNU libgomp is not fork-safe: https://github.com/pytorch/pytorch/issues/17199).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _replica_memory(model, batch, optimizer, autocast, loss)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _replica_memory(model, batch, optimizer, autocast, loss):
