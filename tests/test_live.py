@@ -71,6 +71,9 @@ def test_every_logged_value_of_every_rank_reaches_the_history_exactly(cores8):
         for epoch in range(EPOCHS):
             assert [b for e, b, _ in batches if e == epoch][-1] == BATCHES
         assert {n for _, _, n in batches if n is not None} == {BATCHES}
+        # A learner's axis: training steps 1, 2, ... across epochs, epochs split after each.
+        assert steps == list(range(1, EPOCHS * BATCHES + 1))
+    assert history.epoch_starts() == [BATCHES * epoch for epoch in range(1, EPOCHS)]
 
 
 def test_logging_device_tensors_adds_no_execution_and_no_transfer_a_step(cores8):

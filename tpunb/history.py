@@ -94,6 +94,7 @@ class History:
         self.steps = {rank: [] for rank in range(ranks)}
         self._names = {}  # logged names in the order first seen, kept as steps arrive
         self._last = {rank: {} for rank in range(ranks)}  # rank -> name -> last value
+        self._progress_of = {}  # rank -> (records, _training_steps of them)
 
     def add(self, rank, steps):
         self.steps[rank].extend(steps)
@@ -116,11 +117,19 @@ class History:
     def training_steps(self, rank):
         """The training step of each of ``rank``'s records (``steps[rank]``): the batches
         of the training loader it had been handed out by then, counted across epochs."""
-        return _training_steps(self.steps[rank])[0]
+        return self._progress(rank)[0]
 
     def epoch_starts(self):
         """The training steps after which a new epoch began (on rank 0)."""
-        return _training_steps(self.steps[0])[1]
+        return self._progress(0)[1]
+
+    def _progress(self, rank):
+        # Worked out once for the records so far: a figure asks for it once a panel.
+        count, progress = self._progress_of.get(rank, (None, None))
+        if count != len(self.steps[rank]):
+            progress = _training_steps(self.steps[rank])
+            self._progress_of[rank] = (len(self.steps[rank]), progress)
+        return progress
 
     def values(self, name):
         """{rank: ([training step, ...], [value, ...])} where ``name`` was logged."""

@@ -154,7 +154,7 @@ def _mark_epochs(ax, starts):
             )
 
 
-def smoothed(values):
+def _smoothed(values):
     """A moving average centred on each point, over about a tenth of the line (at least 3
     points; fewer at the ends): it follows the trend without lagging behind it."""
     half = max(1, round(len(values) / 20))
@@ -181,7 +181,7 @@ def _draw_values(ax, history, name):
     for rank, (steps, values) in lines.items():
         if len(values) >= SMOOTH_FROM:  # raw values faint, their trend drawn over them
             ax.plot(steps, values, color=colors[rank], lw=0.6, alpha=0.25)
-            values = smoothed(values)
+            values = _smoothed(values)
         ax.plot(steps, values, color=colors[rank], lw=1.4, alpha=0.85, label=f"core {rank}")
     faint = " (faint: each step; bold: smoothed)" if len(first[1]) >= SMOOTH_FROM else ""
     ax.set(title=f"{name} per core{faint}", xlabel=STEP, ylabel=name)

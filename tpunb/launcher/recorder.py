@@ -16,12 +16,12 @@ from tpunb.launcher.messages import Steps
 
 FLUSH_SECONDS = 0.5  # at most this long between a step and its record reaching the notebook
 _rank = threading.local()  # in a rank's thread: its Recorder
-# CPU fallbacks of this process that cut no graph (op -> times), made by torch_xla's own
-# helpers after a sync; the process's counters leave them out.
+# What torch_xla's own helpers did in this process after a sync: CPU fallbacks that cut no
+# graph (op -> times) and, under _COMPILES, their own graphs; not blamed on the steps.
 _excused = collections.Counter()
 _excused_lock = threading.Lock()
 # The process's threads now in such a helper (their counts are not final yet), and the
-# fallback counts when the first of them entered.
+# counts when the first of them entered.
 _excusing = [0, {}]
 _COMPILES = "UncachedCompile"
 
@@ -160,9 +160,9 @@ def current():
 
 
 def excusing_fallbacks(function):
-    """``function``, with the CPU fallbacks it makes while it runs excused: for code that
-    reads device values only after a sync (a step closure, a rendezvous), so that a
-    ``.item()`` there is not reported as cutting a step's graph."""
+    """``function``, with the CPU fallbacks and compilations it makes while it runs
+    excused: for code that reads device values only after a sync (a step closure, a
+    rendezvous), so that a ``.item()`` there is not reported as cutting a step's graph."""
 
     @functools.wraps(function)
     def excused(*args, **kwargs):
