@@ -93,8 +93,8 @@ def test_without_buckets_every_new_shape_compiles_and_is_named_as_the_cause(naiv
     assert "tpunb.BucketCollate" in shape_warnings[0]
     # The per-step compilations add up to the total, and the history keeps them.
     per_step = results.history.compiles_per_step()
-    assert sum(count for _, count, _ in per_step) == compiles.compiles
-    assert compiles.compile_seconds == pytest.approx(sum(s for _, _, s in per_step))
+    assert sum(count for _, count, _, _ in per_step) == compiles.compiles
+    assert compiles.compile_seconds == pytest.approx(sum(s for _, _, s, _ in per_step))
 
 
 def test_four_buckets_compile_at_most_four_step_graphs_after_the_warm_up(naive_and_bucketed):
@@ -209,7 +209,9 @@ def test_a_short_last_batch_is_named_and_padding_it_removes_the_compilation(core
     padded, messages = run(tpunb.BucketCollate([LENGTHS.stop], batch_size=8))
     assert {shape[0][0] for shape in padded.compiles.shapes} == {8}
     assert not [m for m in messages if "short last batch" in m]
-    assert padded.compiles.compiles < short.compiles.compiles
+    # The short batch compiled after the warm-up; padded, nothing did. (Warm-up counts vary
+    # by a graph or two: ranks that are threads may both compile a graph new to both.)
+    assert padded.compiles.compiles_after_warmup == 0 < short.compiles.compiles_after_warmup
 
 
 def _limited_step(rank, sizes, max_graphs):

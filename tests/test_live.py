@@ -74,6 +74,8 @@ def test_every_logged_value_of_every_rank_reaches_the_history_exactly(cores8):
         # A learner's axis: training steps 1, 2, ... across epochs, epochs split after each.
         assert steps == list(range(1, EPOCHS * BATCHES + 1))
     assert history.epoch_starts() == [BATCHES * epoch for epoch in range(1, EPOCHS)]
+    # The compile summary counts the same training steps, not the syncs (epoch ends too).
+    assert results.compiles.steps == EPOCHS * BATCHES < len(history.steps[0])
 
 
 def test_logging_device_tensors_adds_no_execution_and_no_transfer_a_step(cores8):

@@ -11,6 +11,7 @@ Importing tpunb imports neither torch_xla nor any plotting library and leaves
 
 __version__ = "0.2.0"
 
+from tpunb import hardware, memory, plots  # light: they import heavy libraries when called
 from tpunb.batches import (
     batch_report,
     global_batch_size,
@@ -42,10 +43,13 @@ __all__ = [
     "choose_buckets",
     "env",
     "global_batch_size",
+    "hardware",
     "launch",
     "limit_graphs",
     "log",
+    "memory",
     "per_core_batch_size",
+    "plots",
     "scale_learning_rate",
     "shard",
     "simulate",

@@ -48,7 +48,7 @@ class CompileSummary(reports.Report):
     warmup_compiles: int
     helper_compiles: int  # graphs of xm.rendezvous, xm.mesh_reduce, step closures
     compile_seconds: float
-    steps: int
+    steps: int  # training steps: batches of the training loader (syncs without one)
     shapes: list  # distinct batch shapes, in the order first seen
     fallbacks: dict  # op name -> times it ran on the CPU
     causes: list  # one line a cause seen after the warm-up
@@ -62,7 +62,7 @@ class CompileSummary(reports.Report):
         rows = [
             ("compilations", self._compilations()),
             ("compile time", f"{self.compile_seconds:.1f} s"),
-            ("steps", str(self.steps)),
+            ("training steps", str(self.steps)),
             ("batch shapes", str(len(self.shapes))),
         ]
         rows += [(f"CPU fallback {op}", f"{n} times") for op, n in self.fallbacks.items()]
@@ -100,6 +100,7 @@ class CompileWatch:
         self.compile_seconds = 0.0
         self.fallbacks = collections.Counter()
         self.causes = {}  # cause key -> message
+        self._batches = set()  # (epoch, batch) of the training loader's batches seen
 
     def add(self, rank, steps):
         """Takes a rank's new steps; returns the warnings they complete, once a cause."""
@@ -119,7 +120,8 @@ class CompileWatch:
             self.warmup_compiles,
             self.helper_compiles,
             self.compile_seconds,
-            self._registered,
+            # Training steps: the training loader's batches (a sync a step without one).
+            len(self._batches) or self._registered,
             list(self._shapes),
             dict(self.fallbacks),
             list(self.causes.values()),
@@ -159,6 +161,7 @@ class CompileWatch:
         for s in by_rank.values():
             if s.epoch is not None and s.epoch_batch:
                 self._places[number] = f"epoch {s.epoch + 1}, batch {s.epoch_batch}"
+                self._batches.add((s.epoch, s.epoch_batch))
                 break
         reports = [s for s in by_rank.values() if s.compiles is not None]
         spans = [s.process_steps for s in reports if s.process_steps is not None]

@@ -110,6 +110,11 @@ class History:
     def ranks(self):
         return len(self.steps)
 
+    @property
+    def seconds(self):
+        """Seconds from the launch's start to the last step any rank recorded."""
+        return max((steps[-1].time for steps in self.steps.values() if steps), default=0.0)
+
     def names(self):
         """The names given to ``tpunb.log``, in the order first seen."""
         return list(self._names)
@@ -144,14 +149,21 @@ class History:
         return found
 
     def compiles_per_step(self):
-        """[(training step, compilations, compile seconds)] summed over the processes'
-        reports; compilations before the first batch are at step 0."""
+        """[(training step, compilations, compile seconds, compilations not of the
+        training step)] summed over the processes' reports; compilations before the first
+        batch are at step 0. Not the training step's: those of torch_xla's helpers
+        (xm.rendezvous, xm.mesh_reduce, step closures) and of a framework's own steps
+        (Lightning's epoch ends), also counted in the compilations."""
         totals = {}
         for rank, steps in self.steps.items():
             for x, s in zip(self.training_steps(rank), steps, strict=True):
                 if s.compiles is not None:
-                    count, seconds = totals.get(x, (0, 0.0))
-                    totals[x] = (count + s.compiles, seconds + s.compile_seconds)
+                    count, seconds, helper = totals.get(x, (0, 0.0, 0))
+                    totals[x] = (
+                        count + s.compiles,
+                        seconds + s.compile_seconds,
+                        helper + (s.compiles if s.framework else s.helper_compiles or 0),
+                    )
         return [(x, *totals[x]) for x in sorted(totals)]
 
     def samples_per_second(self, rank=None, over=10):

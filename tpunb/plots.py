@@ -51,16 +51,47 @@ def history_figure(history, width=10.0, panel_height=2.6, fixed_layout=False):
     return figure
 
 
-def lines(series, xlabel, ylabel, title=None, size=(8, 3.2)):
-    """One line per entry of ``series`` (label -> values at x = 1, 2, ...), labelled."""
+def lines(series, xlabel, ylabel, title=None, size=(8, 3.2), x=None, log_x=False):
+    """One line per entry of ``series`` (label -> values, or label -> (x values, values)),
+    labelled, at ``x`` (1, 2, ... by default); ``log_x``: a logarithmic x axis ticked at
+    ``x``."""
     figure, ax = _figure(size)
     styles = [("o", "-"), ("s", "--"), ("^", ":"), ("D", "-.")]
     for (label, values), (marker, line) in zip(series.items(), itertools.cycle(styles)):
+        at = x if x is not None else range(1, len(values) + 1)
+        if isinstance(values, tuple):
+            at, values = values
         # Marker and line style differ too: lines that lie on each other stay visible.
-        ax.plot(range(1, len(values) + 1), values, marker=marker, ls=line, label=label)
+        every = max(1, len(values) // 15)  # at most about 15 markers a line
+        ax.plot(at, values, marker=marker, markevery=every, ls=line, label=label)
+    if log_x:
+        ax.set_xscale("log")
+        ax.set_xticks(x, [str(v) for v in x])
+        ax.minorticks_off()
+    elif x is None:  # counts (epochs, steps): whole numbers only
+        from matplotlib.ticker import MaxNLocator
+
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set(xlabel=xlabel, ylabel=ylabel, title=title)
-    ax.legend()
+    if len(series) > 1:
+        ax.legend()
     ax.grid(alpha=0.3)
+    return shown_in_notebooks(figure)
+
+
+def samples_seen(panels, first=96, size=None):
+    """Which samples each core trained on: a panel per entry of ``panels`` (title -> the
+    sample indices of each core, by rank), a row per core, a square per sample of the
+    ``first`` indices."""
+    size = size or (9, 0.5 + 2.1 * len(panels))
+    figure = _figure_class()(figsize=size, layout="constrained")
+    axes = figure.subplots(len(panels), 1, sharex=True, squeeze=False)[:, 0]
+    for ax, (title, per_core) in zip(axes, panels.items(), strict=True):
+        for rank, indices in enumerate(per_core):
+            shown = [i for i in indices if i < first]
+            ax.scatter(shown, [rank] * len(shown), s=40, marker="s")
+        ax.set(title=title, ylabel="core", yticks=range(len(per_core)))
+    axes[-1].set_xlabel(f"sample index (the first {first} samples)")
     return shown_in_notebooks(figure)
 
 
@@ -76,12 +107,54 @@ def bars(values, xlabel, title=None, size=(8, 3.2), marks=None, log=False):
     for (label, x), color in zip((marks or {}).items(), colors, strict=False):
         ax.axvline(x, color=color, ls="--", lw=1.2, label=label)
     if marks:
-        ax.legend(loc="lower right", fontsize=8)
+        ax.legend(loc="upper right", fontsize=8)
     ax.set(xlabel=xlabel, title=title)
     if log:
         ax.set_xscale("log")
     ax.margins(x=0.15)
     return shown_in_notebooks(figure)
+
+
+def launch_layouts(layouts, size=(11, 4.2)):
+    """How ``xmp.spawn`` lays ranks out: a row per entry of ``layouts`` (label ->
+    (processes, ranks per process)), each process a box, each rank a numbered dot."""
+    from matplotlib.patches import Circle, FancyBboxPatch
+
+    figure, ax = _figure(size)
+    for row, (name, (processes, per_process)) in enumerate(layouts.items()):
+        y = -row
+        for p in range(processes):
+            first = p * per_process
+            x0 = first + p * 0.3  # a gap between processes
+            box = FancyBboxPatch(
+                (x0 - 0.45, y - 0.38),
+                per_process - 0.1,
+                0.76,
+                boxstyle="round,pad=0.02",
+                facecolor="#e8eef7",
+                edgecolor="#4c72b0",
+            )
+            ax.add_patch(box)
+            for t in range(per_process):
+                ax.add_patch(Circle((x0 + t, y), 0.28, color="#dd8452"))
+                ax.text(x0 + t, y, str(first + t), ha="center", va="center", color="white")
+        ranks = processes * per_process
+        label = (
+            f"{name}\n{_count(processes, 'process', 'processes')} x "
+            f"{_count(per_process, 'thread', 'threads')} = {_count(ranks, 'rank', 'ranks')}"
+        )
+        ax.text(-0.8, y, label, ha="right", va="center")
+    widest = max(p * t + 0.3 * (p - 1) for p, t in layouts.values())
+    ax.set_xlim(-5, widest + 0.3)
+    ax.set_ylim(-len(layouts) + 0.5, 0.5)
+    ax.set_aspect("equal")
+    ax.axis("off")
+    ax.set_title("One process per chip (blue box), one rank per device (numbered dot)")
+    return shown_in_notebooks(figure)
+
+
+def _count(n, one, many):
+    return f"{n} {one if n == 1 else many}"
 
 
 def _figure(size):
@@ -203,16 +276,25 @@ def _draw_throughput(ax, history, _name):
 def _draw_compiles(ax, history, _name):
     from tpunb.compile_watch import WARMUP_BATCHES
 
-    steps, counts, seconds = zip(*history.compiles_per_step(), strict=True)
+    steps, counts, seconds, helpers = zip(*history.compiles_per_step(), strict=True)
     width = max(0.8, steps[-1] / 150)  # visible however many steps
-    warmup = [(x, n) for x, n in zip(steps, counts, strict=True) if n and x <= WARMUP_BATCHES]
-    later = [(x, n) for x, n in zip(steps, counts, strict=True) if n and x > WARMUP_BATCHES]
+    warmup, later, helper = [], [], []
+    for x, n, h in zip(steps, counts, helpers, strict=True):
+        if n and x <= WARMUP_BATCHES:
+            warmup.append((x, n, 0))
+        elif n:  # after the warm-up: graphs not of the step stacked on the step's
+            if n - h:
+                later.append((x, n - h, 0))
+            if h:
+                helper.append((x, h, n - h))
     for bars, color, label in (
         (warmup, "tab:gray", "warm-up: the first steps compile the graphs"),
         (later, "tab:red", "later: a graph not seen before (new shape?)"),
+        (helper, "tab:cyan", "not the step's: torch_xla's helpers, a framework's own"),
     ):
         if bars:  # one bar a step that compiled: a few patches, however long the run
-            drawn = ax.bar(*zip(*bars, strict=True), color=color, width=width, label=label)
+            x, n, bottom = zip(*bars, strict=True)
+            drawn = ax.bar(x, n, bottom=bottom, color=color, width=width, label=label)
             if len(bars) <= 30:
                 ax.bar_label(drawn, fontsize=7, padding=1)
     ax.set(title="graphs compiled per training step (all cores)", xlabel=STEP, ylabel="graphs")

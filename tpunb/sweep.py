@@ -2,6 +2,7 @@
 core, with the throughput each gives (and, on a TPU, the device memory it takes)."""
 
 import dataclasses
+import statistics
 import time
 import warnings
 
@@ -11,12 +12,14 @@ from tpunb.errors import TpunbWarning
 
 @dataclasses.dataclass(frozen=True)
 class SweepRow:
-    """One candidate batch size: timed after its graphs were compiled."""
+    """One candidate batch size: timed after its graphs were compiled. ``seconds_per_step``
+    is the median of the rounds' (each round: the slowest core's mean over its steps)."""
 
     per_core_batch: int
     cores: int
     seconds_per_step: float
     peak_memory: object  # bytes on one core, or None where the device does not say (CPU)
+    rounds: tuple = ()  # seconds a step in each round
 
     @property
     def global_batch(self):
@@ -36,6 +39,7 @@ class Sweep(reports.Report):
     """The rows of a batch-size sweep, smallest batch first; a table in a notebook."""
 
     rows: tuple
+    simulated: bool = False
 
     def _content(self):
         rows = [
@@ -48,45 +52,79 @@ class Sweep(reports.Report):
             )
             for row in self.rows
         ]
+        rounds = len(self.rows[0].rounds)
         notes = (
-            []
-            if any(row.peak_memory for row in self.rows)
-            else ["Device memory is not reported on this device (the CPU has no allocator stats)."]
+            [f"Each time is the median of {rounds} rounds over every batch size."]
+            if rounds > 1
+            else []
         )
+        if self.simulated:
+            notes.append(
+                "The cores are simulated on this machine's CPU: these are the CPU's speeds, "
+                "not a TPU's."
+            )
+        if not any(row.peak_memory for row in self.rows):
+            notes.append(
+                "Device memory is not reported on this device (the CPU has no allocator stats)."
+            )
+        where = " simulated on the CPU" if self.simulated else ""
         return (
-            f"tpunb batch-size sweep on {reports.count(self.rows[0].cores, 'core')}",
+            f"tpunb batch-size sweep on {reports.count(self.rows[0].cores, 'core')}{where}",
             rows,
             notes,
         )
 
+    def plot(self):
+        """Samples/s of all cores together against the per-core batch."""
+        from tpunb import plots
 
-def sweep_batch_sizes(model, dataset, batch_sizes, loss_fn, *, optimizer=None, steps=5, warmup=2):
+        sizes = [row.per_core_batch for row in self.rows]
+        where = "simulated cores (the CPU)" if self.simulated else "cores"
+        return plots.lines(
+            {"all cores": [row.samples_per_second for row in self.rows]},
+            "per-core batch size",
+            "samples/s, all cores",
+            f"Throughput on {self.rows[0].cores} {where}, "
+            f"median of {len(self.rows[0].rounds)} rounds",
+            x=sizes,
+            log_x=True,
+        )
+
+
+def sweep_batch_sizes(
+    model, dataset, batch_sizes, loss_fn, *, optimizer=None, steps=5, warmup=2, rounds=3
+):
     """Train ``model`` on ``dataset`` for ``warmup`` + ``steps`` steps at each per-core batch
-    size, on every core, and time the last ``steps``. ``loss_fn(model, batch)`` returns the
-    loss of a batch on the device; ``optimizer(params)`` builds the optimizer (SGD by
-    default). Warm-up steps are not timed: they include compiling each batch size's graphs.
-    """
+    size, on every core, and time the last ``steps``; ``rounds`` times over all the sizes,
+    each size's time the median of its rounds (a round goes through every size, so a slow
+    moment of the machine does not fall on one size only). ``loss_fn(model, batch)``
+    returns the loss of a batch on the device; ``optimizer(params)`` builds the optimizer
+    (SGD by default). Warm-up steps are not timed: the first round's include compiling
+    each batch size's graphs."""
+    from tpunb import cores as core_layout
     from tpunb.launcher import launch
 
     sizes = sorted(batch_sizes)
     with warnings.catch_warnings():
         # Each size is a new batch shape on purpose: the compile watch would warn about its
         # compilations (its other warnings, e.g. CPU fallbacks in loss_fn, still show).
-        warnings.filterwarnings("ignore", r"step \d+ compiled", TpunbWarning)
+        warnings.filterwarnings("ignore", r"(step \d+|epoch \d+, batch \d+) compiled", TpunbWarning)
         timings = launch(
             _sweep_on_every_core,
-            *(model, dataset, sizes, loss_fn, optimizer, steps, warmup),
+            *(model, dataset, sizes, loss_fn, optimizer, steps, warmup, rounds),
             live=False,
         )
     cores = len(timings)
-    rows = tuple(
-        SweepRow(size, cores, max(t[i][0] for t in timings), timings[0][i][1])
-        for i, size in enumerate(sizes)
-    )
-    return Sweep(rows)
+    rows = []
+    for i, size in enumerate(sizes):
+        # A round's step took as long as its slowest core (the all-reduce waits for it).
+        per_round = tuple(max(t[i][r][0] for t in timings) for r in range(rounds))
+        memory = timings[0][i][-1][1]
+        rows.append(SweepRow(size, cores, statistics.median(per_round), memory, per_round))
+    return Sweep(tuple(rows), simulated=core_layout.available().simulated)
 
 
-def _sweep_on_every_core(rank, model, dataset, sizes, loss_fn, optimizer, steps, warmup):
+def _sweep_on_every_core(rank, model, dataset, sizes, loss_fn, optimizer, steps, warmup, rounds):
     import copy
 
     import torch
@@ -97,26 +135,29 @@ def _sweep_on_every_core(rank, model, dataset, sizes, loss_fn, optimizer, steps,
     from tpunb.sampling import shard
 
     device = torch_xla.device()
-    timings = []
-    for size in sizes:
-        replica = copy.deepcopy(model).to(device)
-        opt = (optimizer or (lambda params: torch.optim.SGD(params, lr=0.01)))(replica.parameters())
-        batches = _forever(
-            shard(DataLoader(dataset, batch_size=size, shuffle=True, drop_last=True))
-        )
-        for step in range(warmup + steps):
-            if step == warmup:
-                # Dispatch the pending step first: waiting on the devices while this rank's
-                # all-reduce is still undispatched would wait for itself.
-                torch_xla.sync()
-                xm.wait_device_ops()
-                start = time.perf_counter()
-            opt.zero_grad()
-            loss_fn(replica, next(batches)).backward()
-            xm.optimizer_step(opt)
-        torch_xla.sync()
-        xm.wait_device_ops()
-        timings.append(((time.perf_counter() - start) / steps, _peak_memory(device)))
+    timings = [[] for _ in sizes]
+    for _ in range(rounds):
+        for i, size in enumerate(sizes):
+            replica = copy.deepcopy(model).to(device)
+            opt = (optimizer or (lambda params: torch.optim.SGD(params, lr=0.01)))(
+                replica.parameters()
+            )
+            batches = _forever(
+                shard(DataLoader(dataset, batch_size=size, shuffle=True, drop_last=True))
+            )
+            for step in range(warmup + steps):
+                if step == warmup:
+                    # Dispatch the pending step first: waiting on the devices while this
+                    # rank's all-reduce is still undispatched would wait for itself.
+                    torch_xla.sync()
+                    xm.wait_device_ops()
+                    start = time.perf_counter()
+                opt.zero_grad()
+                loss_fn(replica, next(batches)).backward()
+                xm.optimizer_step(opt)
+            torch_xla.sync()
+            xm.wait_device_ops()
+            timings[i].append(((time.perf_counter() - start) / steps, _peak_memory(device)))
     return timings
 
 
