@@ -16,7 +16,7 @@ SAYS_ON_ONE_CORE = {
     "02_sampler.ipynb": ["With 1 core there is nothing to split", "seen by every core: 1792"],
     "03_batch_size.ipynb": ["With 1 core the global batch is the per-core batch"],
     "04_tensor_evaluation.ipynb": ["cores: 1", "loss.item()                graphs run a step: 2"],
-    "05_shapes.ipynb": ["cores: 1", "batch shapes  4"],
+    "05_shapes.ipynb": ["cores: 1", "bucketed:  4 batch shapes"],
     "06_resources.ipynb": ["cores: 1", "each sample once: ", "killed by SIGKILL"],
     "07_lightning.ipynb": ["OneCoreXLAStrategy, cores: 1", "distinct samples: 1792 of 1797"],
 }

@@ -1,0 +1,172 @@
+"""Where a simulated step's time goes: the workload of benchmarks/simulation.py (an MLP
+64-512-512-10, per-core batch 32 on 8 simulated cores), one epoch timed after a first
+that compiles, with timers around each part of a rank-step:
+
+- the rank's own Python: forward, backward and the optimizer's update traced into the
+  lazy graph (the training loop's lines, tpunb's hooks left out);
+- torch_xla's step markers (``_xla_step_marker``: the graph's hash, the compile-cache
+  lookup and the dispatch of its execution), the simulation's dispatch lock (waiting for
+  it and holding it) and its barriers (waiting for the other ranks);
+- tpunb's per-step hooks (the step records, the batch records, the watchdog heartbeat);
+- CPU time: of each rank's thread (``time.thread_time``: tracing, hashing, dispatch) and
+  of the whole process (the rank threads plus XLA's execution threads), against wall time.
+
+A rank-step's share of the epoch is the epoch's wall time over all ranks' steps; a part's
+share is its time summed over the ranks' threads over the same count (parts that overlap
+in time add up to more than the wall time). Timers cost about a microsecond a call.
+Run: python benchmarks/simulation_profile.py [--batch N] [--cores N] (taskset -c 0 first:
+one CPU, as on Binder).
+"""
+
+import argparse
+import collections
+import copy
+import functools
+import os
+import resource
+import sys
+import threading
+import time
+
+import torch
+from torch.utils.data import DataLoader
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from simulation import MODEL, _step  # noqa: E402
+from workload import BATCH, DATASET  # noqa: E402
+
+_totals = collections.defaultdict(float)  # part -> seconds, summed over threads
+_counts = collections.Counter()
+_lock = threading.Lock()
+_timing = [False]
+
+
+def _add(part, seconds):
+    if _timing[0]:
+        with _lock:
+            _totals[part] += seconds
+            _counts[part] += 1
+
+
+def _timed(part, function):
+    @functools.wraps(function)
+    def timed(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return function(*args, **kwargs)
+        finally:
+            _add(part, time.perf_counter() - start)
+
+    return timed
+
+
+class _TimedLock:
+    """The dispatch lock, timed: waiting for it, and holding it."""
+
+    def __init__(self, lock):
+        self._lock = lock
+        self._held = threading.local()
+
+    def __enter__(self):
+        start = time.perf_counter()
+        self._lock.acquire()
+        self._held.since = time.perf_counter()
+        _add("dispatch lock: waiting", self._held.since - start)
+
+    def __exit__(self, *exc):
+        _add("dispatch lock: held", time.perf_counter() - self._held.since)
+        self._lock.release()
+
+
+def _instrument():
+    """Timers around the simulation's and tpunb's parts (this benchmark's process only)."""
+    import torch_xla
+
+    from tpunb.launcher import heartbeat, recorder
+    from tpunb.simulation import collectives
+
+    torch_xla._XLAC._xla_step_marker = _timed(
+        "torch_xla step markers (hash, cache, dispatch)", torch_xla._XLAC._xla_step_marker
+    )
+    collectives._dispatch_lock = _TimedLock(collectives._dispatch_lock)
+    collectives._Round.wait = _timed(
+        "barriers: waiting for the other ranks", collectives._Round.wait
+    )
+    recorder.Recorder.end_step = _timed("tpunb: step records", recorder.Recorder.end_step)
+    recorder.Recorder.batch = _timed("tpunb: batch records", recorder.Recorder.batch)
+    heartbeat.tick = _timed("tpunb: heartbeat", heartbeat.tick)
+
+
+def _profiled_epochs(rank, loader, cores):
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+
+    import tpunb
+
+    device = torch_xla.device()
+    model = copy.deepcopy(MODEL).to(device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    batches = tpunb.shard(loader)
+    thread_cpu = 0.0
+    for epoch in range(2):
+        xm.rendezvous(f"epoch {epoch}")
+        if epoch == 1 and rank == 0:
+            _timing[0] = True
+            _process[:] = [time.perf_counter(), _cpu_seconds()]
+        thread_start = time.thread_time()
+        for inputs, labels in batches:
+            start = time.perf_counter()
+            _step(model, optimizer, inputs, labels)
+            _add("the rank's own Python: forward, backward", time.perf_counter() - start)
+            xm.optimizer_step(optimizer)  # the all-reduce, then the update (traced)
+        xm.wait_device_ops()
+        thread_cpu = time.thread_time() - thread_start
+        xm.rendezvous(f"epoch {epoch} done")
+        if epoch == 1 and rank == 0:
+            _timing[0] = False
+            _process[:] = [time.perf_counter() - _process[0], _cpu_seconds() - _process[1]]
+    return thread_cpu, len(loader) // cores, list(_process), dict(_totals), dict(_counts)
+
+
+_process = []
+
+
+def _cpu_seconds():
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--batch", type=int, default=BATCH, help="per-core batch size")
+    parser.add_argument("--cores", type=int, default=8, help="simulated cores")
+    options = parser.parse_args()
+    import tpunb
+
+    tpunb.simulate(cores=options.cores)
+    _instrument()
+    loader = DataLoader(DATASET, batch_size=options.batch, drop_last=True)
+    results = tpunb.launch(_profiled_epochs, loader, options.cores, live=False)
+    thread_cpu = sum(r[0] for r in results)
+    steps = results[0][1]
+    wall, process_cpu = results[0][2]
+    totals, counts = results[0][3], results[0][4]
+    rank_steps = steps * options.cores
+    ms = 1000 / rank_steps
+    print(
+        f"{options.cores} simulated cores, per-core batch {options.batch}, "
+        f"{len(os.sched_getaffinity(0))} CPU(s): an epoch of {steps} steps "
+        f"({rank_steps} rank-steps) took {wall:.3f} s, {wall * ms:.2f} ms a rank-step"
+    )
+    print(
+        f"CPU time: the whole process {process_cpu:.2f} s ({process_cpu / wall:.2f} CPUs busy), "
+        f"the rank threads {thread_cpu:.2f} s ({thread_cpu * ms:.2f} ms a rank-step), "
+        f"other threads (XLA's execution, loaders) {process_cpu - thread_cpu:.2f} s"
+    )
+    print("ms a rank-step, summed over the threads:")
+    for part, seconds in sorted(totals.items(), key=lambda item: -item[1]):
+        print(f"  {seconds * ms:7.3f}  {part} ({counts[part] / rank_steps:.1f} calls a rank-step)")
+
+
+if __name__ == "__main__":
+    main()
