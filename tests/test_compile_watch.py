@@ -10,7 +10,7 @@ import warnings
 import pytest
 import torch
 from conftest import in_forked_process
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, TensorDataset
 
 import tpunb
 
@@ -191,6 +191,48 @@ def test_values_read_after_the_sync_by_torch_xlas_helpers_are_not_fallbacks(core
         results = tpunb.launch(_reads_values_the_torch_xla_way, _model(), loader, live=False)
     assert list(results) == [8 * (1024 // 8 // 8)] * 8  # every closure ran on every rank
     assert results.compiles.fallbacks.get("aten::_local_scalar_dense", 0) == 0
+
+
+def _warm_up_while_the_others_wait(rank, model, loader):
+    """Ranks 1 to 7 take 6 steps (the first ones compile the step's graphs) and wait in a
+    rendezvous; rank 0 starts late, takes 6 steps (the graphs are cached: no compilation
+    of its own), joins them, and waits until they have left it. No collective in the
+    steps: the ranks are apart."""
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+
+    model = copy.deepcopy(model).to(torch_xla.device())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    if rank == 0:
+        time.sleep(2)  # the others compile the step's graphs meanwhile
+    for step, (inputs, labels) in enumerate(tpunb.shard(loader), start=1):
+        optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(model(inputs), labels).backward()
+        optimizer.step()
+        if step == 6:
+            xm.rendezvous("together")
+            if rank == 0:
+                time.sleep(0.5)  # the others leave the rendezvous
+
+
+def test_warm_up_compilations_counted_while_ranks_wait_in_a_rendezvous_stay_the_warm_ups(cores8):
+    # The reporting rank (rank 0, the first to start) reads the counts at its syncs; while
+    # any rank is inside a helper they are read later (they cannot be told from the
+    # helper's own). The step that gets them spans the steps the ranks were in meanwhile:
+    # the warm-up's graphs, read late, were once blamed on a later step ("the graph itself
+    # changed").
+    generator = torch.Generator().manual_seed(0)
+    data = TensorDataset(
+        torch.randn(2048, 16, generator=generator),
+        torch.randint(0, 4, (2048,), generator=generator),
+    )
+    loader = DataLoader(data, batch_size=32, drop_last=True)
+    model = torch.nn.Linear(16, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tpunb.TpunbWarning)
+        results = tpunb.launch(_warm_up_while_the_others_wait, model, loader, live=False)
+    assert results.compiles.compiles_after_warmup == 0
+    assert results.compiles.warmup_compiles > 0
 
 
 def test_a_short_last_batch_is_named_and_padding_it_removes_the_compilation(cores8):

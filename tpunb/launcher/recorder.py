@@ -268,8 +268,10 @@ class _CompileCounters:
         self._heartbeat = heartbeat
         self._pid = os.getpid()
         self._last = None
+        self._deferred = False  # the last read left its counts for a later one
         self._last = self._read()
         self._last_ranks = self._ranks()
+        self._steps_since = []  # where the ranks were at the reads since the last counted
 
     def fill(self, record):
         """Sets ``record``'s counters to what happened since the last call."""
@@ -277,10 +279,16 @@ class _CompileCounters:
         record.compiles, record.cached, record.compile_seconds, record.fallbacks = counts[:4]
         record.helper_compiles = counts[4]
         (steps, done, closing), before = self._ranks(), self._last_ranks
-        self._last_ranks = steps, done, closing
-        in_steps = steps + before[0] or [record.step]
+        # Counts read late (while a helper ran) were made while the ranks were at any of
+        # the reads since the last one that counted: the step that gets them spans those
+        # steps, so a warm-up compilation counted late stays the warm-up's.
+        self._steps_since += steps
+        in_steps = before[0] + self._steps_since or [record.step]
         record.process_steps = (min(in_steps), max(in_steps))
         record.process_closing = closing or before[2] or done > before[1]
+        if not self._deferred:
+            self._last_ranks = steps, done, closing
+            self._steps_since = []
 
     def after_last_step(self, record):
         """Adds to ``record`` (the reporter's last step) what the process did until all its
@@ -311,7 +319,8 @@ class _CompileCounters:
         met = self._met
         compile_time = met.metric_data("CompileTime")
         with _excused_lock:
-            if _excusing[0] and self._last is not None:
+            self._deferred = bool(_excusing[0]) and self._last is not None
+            if self._deferred:
                 # A thread is in a helper whose counts are excused: they are told from the
                 # others once it returns, so this step's go to a later one.
                 compiles, _, _, fallbacks, helper_compiles = self._last
