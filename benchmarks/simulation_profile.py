@@ -125,7 +125,7 @@ def _profiled_epochs(rank, loader, cores, all_reduce=True):
         xm.rendezvous(f"epoch {epoch}")
         if epoch == 1 and rank == 0:
             _timing[0] = True
-            _process[:] = [time.perf_counter(), _cpu_seconds(), _threads_cpu()]
+            _process[:] = [time.perf_counter(), _cpu_seconds(), _threads_cpu(), _xla_metrics()]
         thread_start = time.thread_time()
         for inputs, labels in batches:
             start, cpu = time.perf_counter(), time.thread_time()
@@ -147,7 +147,19 @@ def _profiled_epochs(rank, loader, cores, all_reduce=True):
             threads = _threads_cpu()
             threads.subtract(_process[2])
             threads = _by_thread_kind(threads)
-            _process[:] = [time.perf_counter() - _process[0], _cpu_seconds() - _process[1], threads]
+            metrics = {
+                name: (
+                    count - _process[3].get(name, (0, 0))[0],
+                    total - _process[3].get(name, (0, 0))[1],
+                )
+                for name, (count, total) in _xla_metrics().items()
+            }
+            _process[:] = [
+                time.perf_counter() - _process[0],
+                _cpu_seconds() - _process[1],
+                threads,
+                metrics,
+            ]
     return (
         thread_cpu,
         len(loader) // cores,
@@ -159,6 +171,18 @@ def _profiled_epochs(rank, loader, cores, all_reduce=True):
 
 
 _process = []
+
+
+def _xla_metrics():
+    """torch_xla's timing metrics of this process: {name: (calls, seconds in all)}."""
+    import torch_xla.debug.metrics as met
+
+    found = {}
+    for name in met.metric_names():
+        data = met.metric_data(name)
+        if data and name.endswith(("Time", "Wait", "Tracing")):
+            found[name] = (data[0], data[1] / 1e9)
+    return found
 
 
 def _threads_cpu():
@@ -214,7 +238,12 @@ def _serial(batch, cores):
 
     epoch()  # compiles
     start, cpu, main_cpu = time.perf_counter(), _cpu_seconds(), time.thread_time()
+    metrics = _xla_metrics()
     epoch()
+    metrics = {
+        name: (count - metrics.get(name, (0, 0))[0], total - metrics.get(name, (0, 0))[1])
+        for name, (count, total) in _xla_metrics().items()
+    }
     wall, cpu, main_cpu = (
         time.perf_counter() - start,
         _cpu_seconds() - cpu,
@@ -232,6 +261,10 @@ def _serial(batch, cores):
         f"thread {main_cpu:.2f} s ({main_cpu * ms:.2f} ms a rank-step), other threads (XLA's "
         f"execution) {cpu - main_cpu:.2f} s ({(cpu - main_cpu) * ms:.2f} ms a rank-step)"
     )
+    print("torch_xla's own metrics, ms a rank-step (calls a rank-step):")
+    for name, (count, seconds) in sorted(metrics.items(), key=lambda item: -item[1][1]):
+        if count:
+            print(f"  {seconds * ms:7.3f}  {name} ({count / rank_steps:.1f})")
 
 
 def main():
@@ -259,7 +292,7 @@ def main():
     results = tpunb.launch(_profiled_epochs, loader, options.cores, all_reduce, live=False)
     thread_cpu = sum(r[0] for r in results)
     steps = results[0][1]
-    wall, process_cpu, threads = results[0][2]
+    wall, process_cpu, threads, metrics = results[0][2]
     totals, counts, cpu = results[0][3], results[0][4], results[0][5]
     rank_steps = steps * options.cores
     ms = 1000 / rank_steps
@@ -278,6 +311,10 @@ def main():
     for name, seconds in sorted(threads.items(), key=lambda item: -item[1]):
         if seconds > 0:
             print(f"  {seconds * ms:7.3f}  {name}")
+    print("torch_xla's own metrics, ms a rank-step (calls a rank-step):")
+    for name, (count, seconds) in sorted(metrics.items(), key=lambda item: -item[1][1]):
+        if count:
+            print(f"  {seconds * ms:7.3f}  {name} ({count / rank_steps:.1f})")
     print("ms a rank-step, summed over the threads: wall (waits included), CPU of the thread")
     for part, seconds in sorted(totals.items(), key=lambda item: -item[1]):
         print(
