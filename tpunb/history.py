@@ -149,21 +149,31 @@ class History:
         return found
 
     def compiles_per_step(self):
-        """[(training step, compilations, compile seconds, compilations not of the
-        training step)] summed over the processes' reports; compilations before the first
-        batch are at step 0. Not the training step's: those of torch_xla's helpers
-        (xm.rendezvous, xm.mesh_reduce, step closures) and of a framework's own steps
-        (Lightning's epoch ends), also counted in the compilations."""
+        """[(training step, compilations, compile seconds, compilations not of a training
+        step)] summed over the processes' reports; compilations before the first batch are
+        at step 0. Not of a training step, as the compile watch judges them: those of
+        torch_xla's helpers (xm.rendezvous, xm.mesh_reduce, step closures), those of a
+        framework's own steps (Lightning's epoch ends, validation) and the steps either side
+        of one, and the work after a rank's function returned (``process_closing``). They
+        are also counted in the compilations."""
+        framework = {s.step for steps in self.steps.values() for s in steps if s.framework}
         totals = {}
         for rank, steps in self.steps.items():
             for x, s in zip(self.training_steps(rank), steps, strict=True):
-                if s.compiles is not None:
-                    count, seconds, helper = totals.get(x, (0, 0.0, 0))
-                    totals[x] = (
-                        count + s.compiles,
-                        seconds + s.compile_seconds,
-                        helper + (s.compiles if s.framework else s.helper_compiles or 0),
-                    )
+                if s.compiles is None:
+                    continue
+                lowest, highest = s.process_steps or (s.step, s.step)
+                not_training = (
+                    s.framework
+                    or s.process_closing
+                    or any(n in framework for n in range(lowest - 1, highest + 2))
+                )
+                count, seconds, other = totals.get(x, (0, 0.0, 0))
+                totals[x] = (
+                    count + s.compiles,
+                    seconds + s.compile_seconds,
+                    other + (s.compiles if not_training else s.helper_compiles or 0),
+                )
         return [(x, *totals[x]) for x in sorted(totals)]
 
     def samples_per_second(self, rank=None, over=10):
