@@ -1,6 +1,7 @@
 """What a launch recorded, per rank and per step: values given to ``tpunb.log``, batch
 shapes, samples, compilations. Plain data, to plot again or save after the run."""
 
+import bisect
 import dataclasses
 import json
 
@@ -38,6 +39,12 @@ class Step:
     # Of ``compiles``, those of torch_xla's helpers that read values after a sync
     # (xm.rendezvous, xm.mesh_reduce, step closures): their own graphs, not the step's.
     helper_compiles: int | None = None
+
+
+def _any_between(ordered, low, high):
+    """Whether the sorted list ``ordered`` holds a number from ``low`` to ``high``."""
+    at = bisect.bisect_left(ordered, low)
+    return at < len(ordered) and ordered[at] <= high
 
 
 def _training_steps(steps):
@@ -156,7 +163,7 @@ class History:
         framework's own steps (Lightning's epoch ends, validation) and the steps either side
         of one, and the work after a rank's function returned (``process_closing``). They
         are also counted in the compilations."""
-        framework = {s.step for steps in self.steps.values() for s in steps if s.framework}
+        framework = sorted({s.step for steps in self.steps.values() for s in steps if s.framework})
         totals = {}
         for rank, steps in self.steps.items():
             for x, s in zip(self.training_steps(rank), steps, strict=True):
@@ -166,7 +173,7 @@ class History:
                 not_training = (
                     s.framework
                     or s.process_closing
-                    or any(n in framework for n in range(lowest - 1, highest + 2))
+                    or _any_between(framework, lowest - 1, highest + 1)
                 )
                 count, seconds, other = totals.get(x, (0, 0.0, 0))
                 totals[x] = (
