@@ -106,9 +106,10 @@ def _one_xla_device():
     return torch_xla.device()
 
 
-def serial(epochs, batch):
+def serial_epoch(batch):
+    """An epoch of the serial rank-steps (one model a rank, each trained on its shard, one
+    after another on one XLA CPU device), as a function to call."""
     import torch_xla
-    import torch_xla.core.xla_model as xm
 
     device = _one_xla_device()
     models = [copy.deepcopy(MODEL).to(device) for _ in range(CORES)]
@@ -121,6 +122,13 @@ def serial(epochs, batch):
                 optimizer.step()
                 torch_xla.sync()
 
+    return epoch
+
+
+def serial(epochs, batch):
+    import torch_xla.core.xla_model as xm
+
+    epoch = serial_epoch(batch)
     return _timed(epochs, epoch, xm.wait_device_ops)
 
 

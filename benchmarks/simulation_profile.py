@@ -220,20 +220,15 @@ def _serial(batch, cores):
     """The same rank-steps one after another on one XLA CPU device, no collective (the
     baseline of benchmarks/simulation.py): the CPU time that XLA's execution of these
     steps takes without any simulation."""
-    import torch_xla
     import torch_xla.core.xla_model as xm
-    from simulation import _loader, _one_xla_device
+    from simulation import CORES, serial_epoch
 
-    device = _one_xla_device()
-    models = [copy.deepcopy(MODEL).to(device) for _ in range(cores)]
-    optimizers = [torch.optim.SGD(m.parameters(), lr=0.01) for m in models]
+    if cores != CORES:
+        raise SystemExit(f"--serial runs the benchmark's {CORES} ranks: leave --cores out")
+    run_epoch = serial_epoch(batch)
 
     def epoch():
-        for batches in zip(*(_loader(rank, batch) for rank in range(cores)), strict=True):
-            for model, optimizer, (inputs, labels) in zip(models, optimizers, batches, strict=True):
-                _step(model, optimizer, inputs.to(device), labels.to(device))
-                optimizer.step()
-                torch_xla.sync()
+        run_epoch()
         xm.wait_device_ops()
 
     epoch()  # compiles
