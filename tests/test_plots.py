@@ -26,3 +26,34 @@ def test_bars_reads_top_to_bottom_in_the_order_given_each_with_its_number():
     assert labels == ["first", "second"]
     assert [bar.get_width() for bar in by_height] == [50.5, 42.0]
     assert [text.get_text() for text in ax.texts] == ["42", "50.5"]
+
+
+def test_launch_layouts_draws_a_box_a_process_and_a_numbered_dot_a_rank():
+    from matplotlib.patches import Circle, FancyBboxPatch
+
+    figure = plots.launch_layouts({"v3-8": (4, 2), "simulated": (1, 8)})
+    ax = figure.axes[0]
+    assert sum(isinstance(p, FancyBboxPatch) for p in ax.patches) == 4 + 1
+    assert sum(isinstance(p, Circle) for p in ax.patches) == 8 + 8
+    texts = [t.get_text() for t in ax.texts]
+    assert "v3-8\n4 processes x 2 threads = 8 ranks" in texts
+    assert "simulated\n1 process x 8 threads = 8 ranks" in texts
+    assert sorted(t for t in texts if t.isdigit()) == sorted([str(r) for r in range(8)] * 2)
+
+
+def test_samples_seen_puts_each_cores_samples_on_its_row():
+    figure = plots.samples_seen({"shared": [[0, 2, 200], [1, 3]]}, first=96)
+    ax = figure.axes[0]
+    rows = [collection.get_offsets().tolist() for collection in ax.collections]
+    assert rows == [[[0, 0], [2, 0]], [[1, 1], [3, 1]]]  # 200 is past the first 96
+    assert ax.get_xlabel() == "sample index (the first 96 samples)"
+
+
+def test_lines_at_given_x_values_on_a_log_axis_ticks_them():
+    figure = plots.lines(
+        {"all cores": [1.0, 2.0, 4.0]}, "batch", "samples/s", x=[8, 16, 32], log_x=True
+    )
+    ax = figure.axes[0]
+    assert ax.get_xscale() == "log"
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["8", "16", "32"]
+    assert ax.get_legend() is None  # one line: nothing to tell apart
