@@ -7,14 +7,18 @@ The same training (the shared workload, SGD, the same per-core batch, 3 epochs) 
 - tpunb.lightning: tpunb.lightning.trainer(...) (Lightning watched by tpunb, live="text").
 
 Printed as ratios to the baseline: seconds an epoch after the first (timed in rank 0,
-compilation done), and the whole call (fork, setup, teardown included). A comparison
-to report, not a target. Sides alternate so drift on the machine hits all alike;
-figures are medians over the repeats.
+compilation done), the CPU seconds the ranks' process used in it (every rank's thread and
+XLA's: what a side adds, with less of the machine's noise than wall time), and the whole
+call (fork, setup, teardown included). Sides alternate so drift on the machine hits all
+alike; figures are medians over the repeats, and "tpunb.lightning / lightning" is the
+median of each repeat's own ratio (the two ran one after the other).
 Run: python benchmarks/lightning_vs_launch.py [--repeats N]
 """
 
 import argparse
 import copy
+import json
+import os
 import pathlib
 import statistics
 import sys
@@ -43,14 +47,24 @@ def _train(rank, loader):
     sharded = tpunb.shard(loader)
     epochs = []
     for _ in range(EPOCHS):
-        start = time.perf_counter()
+        start = _clocks()
         for x, y in sharded:
             optimizer.zero_grad()
             torch.nn.functional.cross_entropy(model(x), y).backward()
             xm.optimizer_step(optimizer)
         xm.wait_device_ops()
-        epochs.append(time.perf_counter() - start)
+        epochs.append(_since(start))
     return epochs
+
+
+def _clocks():
+    """Wall seconds and this process's CPU seconds (all its threads)."""
+    cpu = os.times()
+    return time.perf_counter(), cpu.user + cpu.system
+
+
+def _since(start):
+    return [now - then for now, then in zip(_clocks(), start, strict=True)]
 
 
 def run_launch(loader):
@@ -72,15 +86,15 @@ class Classifier(lightning.LightningModule):
         return torch.nn.functional.cross_entropy(self.model(x), y)
 
     def on_train_epoch_start(self):
-        self.start = time.perf_counter()
+        self.start = _clocks()
 
     def on_train_epoch_end(self):
         import torch_xla.core.xla_model as xm
 
         xm.wait_device_ops()
-        self.epochs.append(time.perf_counter() - self.start)
+        self.epochs.append(_since(self.start))
         if self.global_rank == 0:
-            pathlib.Path(self.record).write_text(" ".join(map(str, self.epochs)))
+            pathlib.Path(self.record).write_text(json.dumps(self.epochs))
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.05)
@@ -102,7 +116,7 @@ def run_lightning(loader, watched):
         else:
             trainer = lightning.Trainer(accelerator="tpu", devices=8, **arguments)
         trainer.fit(module, loader)
-        return [float(s) for s in pathlib.Path(module.record).read_text().split()]
+        return json.loads(pathlib.Path(module.record).read_text())
 
 
 def main():
@@ -116,19 +130,40 @@ def main():
         "lightning": lambda: run_lightning(loader, watched=False),
         "tpunb.lightning": lambda: run_lightning(loader, watched=True),
     }
-    epoch, total = {name: [] for name in sides}, {name: [] for name in sides}
+    epoch, cpu, total = ({name: [] for name in sides} for _ in range(3))
     for _ in range(repeats):
         for name, run in sides.items():
             start = time.perf_counter()
-            epochs = run()
+            epochs = run()[1:]  # the first compiles
             total[name].append(time.perf_counter() - start)
-            epoch[name].append(statistics.median(epochs[1:]))
-    base_epoch, base_total = statistics.median(epoch["launch"]), statistics.median(total["launch"])
-    print(f"\n8 simulated cores, {len(DATASET)} samples, per-core batch {BATCH}, {EPOCHS} epochs")
-    print(f"{'side':<16} {'s/epoch':>8} {'ratio':>6} {'whole call s':>13} {'ratio':>6}")
+            epoch[name].append(statistics.median(wall for wall, _ in epochs))
+            cpu[name].append(statistics.median(seconds for _, seconds in epochs))
+    base = {
+        figure: statistics.median(values["launch"])
+        for figure, values in (("epoch", epoch), ("cpu", cpu), ("total", total))
+    }
+    print(
+        f"\n8 simulated cores, {len(DATASET)} samples, per-core batch {BATCH}, {EPOCHS} epochs, "
+        f"{len(os.sched_getaffinity(0))} CPU(s), {repeats} repeats"
+    )
+    print(
+        f"{'side':<16} {'s/epoch':>8} {'ratio':>6} {'CPU s/epoch':>12} {'ratio':>6} "
+        f"{'whole call s':>13} {'ratio':>6}"
+    )
     for name in sides:
-        e, t = statistics.median(epoch[name]), statistics.median(total[name])
-        print(f"{name:<16} {e:8.3f} {e / base_epoch:6.2f} {t:13.2f} {t / base_total:6.2f}")
+        e, c, t = (statistics.median(values[name]) for values in (epoch, cpu, total))
+        print(
+            f"{name:<16} {e:8.3f} {e / base['epoch']:6.2f} {c:12.2f} {c / base['cpu']:6.2f} "
+            f"{t:13.2f} {t / base['total']:6.2f}"
+        )
+    for figure, values in (("s/epoch", epoch), ("CPU s/epoch", cpu)):
+        ratios = [
+            w / p for w, p in zip(values["tpunb.lightning"], values["lightning"], strict=True)
+        ]
+        print(
+            f"tpunb.lightning / lightning, {figure}: median {statistics.median(ratios):.3f} "
+            f"(each repeat: {', '.join(f'{r:.3f}' for r in ratios)})"
+        )
 
 
 if __name__ == "__main__":

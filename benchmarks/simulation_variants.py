@@ -1,0 +1,222 @@
+"""What the simulation's safeguards cost: the workload of benchmarks/simulation.py on 8
+simulated cores, as tpunb runs it and with each safeguard taken away, in the same run.
+
+- as shipped: tpunb.simulate as it is.
+- one barrier: the ranks meet once before the collective's graph is dispatched, not again
+  after it.
+- no barriers: the ranks never wait for each other in Python (XLA's rendezvous is the only
+  meeting).
+- one graph: no cuts: the collective stays in the step's graph, as on a TPU, and the
+  step's ``torch_xla.sync()`` is dispatched under the dispatch lock between two barriers.
+- one Python thread: the ranks take turns to run Python (the turn is passed on at barriers
+  and syncs), so that eight threads do not contend for the GIL.
+- a local op: everything as shipped, but the all-reduce's primitive replaced by a local op
+  on the same tensors (each rank's gradients scaled): the collective's graph, its cuts and
+  barriers, without XLA's collective.
+- no collective: the ablation, each rank trains alone (``optimizer.step()``).
+
+The variants are measurements, not options: they are safe for this workload only, whose
+ranks all trace the same graphs. Without the safeguards, ranks whose graphs differ abort in
+XLA's rendezvous (docs/simulation.md, "How collectives work here").
+Each variant runs in its own process, the variants alternating; seconds an epoch after a
+first that compiles, and the CPU seconds the process used in it; medians over the epochs.
+Run: python benchmarks/simulation_variants.py [--repeats N] (taskset -c 0 first: one CPU)
+"""
+
+import argparse
+import copy
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+
+import torch
+from torch.utils.data import DataLoader
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from simulation import CORES, MODEL, _step  # noqa: E402
+from workload import BATCH, DATASET  # noqa: E402
+
+VARIANTS = (
+    "as shipped",
+    "one barrier",
+    "no barriers",
+    "one graph",
+    "one Python thread",
+    "a local op",
+    "no collective",
+)
+
+
+def _epochs(rank, loader, epochs, all_reduce):
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+
+    import tpunb
+
+    model = copy.deepcopy(MODEL).to(torch_xla.device())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    times = []
+    for _ in range(epochs):
+        xm.wait_device_ops()
+        start, cpu = time.perf_counter(), os.times()
+        for inputs, labels in tpunb.shard(loader):
+            _step(model, optimizer, inputs, labels)
+            xm.optimizer_step(optimizer) if all_reduce else optimizer.step()
+        xm.wait_device_ops()
+        end = os.times()  # the process's: every rank's thread and XLA's
+        times.append((time.perf_counter() - start, end.user + end.system - cpu.user - cpu.system))
+    return times
+
+
+def _dispatch(device):
+    import torch_xla
+
+    torch_xla._XLAC._xla_step_marker(device, [], wait=False, reset_scope=True)
+
+
+def _without_second_barrier(meet):
+    """The collective's graph dispatched after one meeting (``meet``), or none."""
+    import sys as _sys
+
+    import torch_xla
+    import torch_xla.runtime as xr
+
+    from tpunb.simulation import collectives
+
+    def run_together(call):
+        device = torch_xla._XLAC._xla_get_default_device()
+        meeting, rank = collectives._round(), xr.global_ordinal()
+        meeting.collectives[rank] += 1
+        meeting.calls[rank] = (call, collectives._Caller(_sys._getframe()))
+        if meet:
+            collectives._wait_for_every_rank(meeting, rank)
+            collectives._check_same_call(meeting)
+        with collectives._dispatch_lock:
+            _dispatch(device)
+        torch_xla._XLAC._set_all_reduce_token(device, None)
+
+    collectives._run_together = run_together
+
+
+def _one_graph():
+    import torch_xla
+    import torch_xla.runtime as xr
+    import torch_xla.torch_xla as torch_xla_module
+
+    from tpunb.simulation import collectives
+
+    pending = threading.local()
+    collectives._run_pending_work = lambda: None
+    collectives._run_together = lambda call: setattr(pending, "collective", True)
+    sync = torch_xla.sync
+
+    def sync_together(*args, **kwargs):
+        if getattr(pending, "collective", False):
+            pending.collective = False
+            meeting, rank = collectives._round(), xr.global_ordinal()
+            collectives._wait_for_every_rank(meeting, rank)
+            with collectives._dispatch_lock:
+                _dispatch(torch_xla._XLAC._xla_get_default_device())
+            collectives._wait_for_every_rank(meeting, rank)
+        return sync(*args, **kwargs)
+
+    torch_xla.sync = torch_xla_module.sync = sync_together
+
+
+def _one_python_thread():
+    import torch_xla
+    import torch_xla.torch_xla as torch_xla_module
+
+    from tpunb.simulation import collectives
+
+    turn, held = threading.Lock(), threading.local()
+
+    def passing_the_turn(function):
+        def call(*args, **kwargs):
+            if getattr(held, "turn", False):
+                held.turn = False
+                turn.release()
+            try:
+                return function(*args, **kwargs)
+            finally:  # a rank never waits long for its turn: nothing can hang on it
+                held.turn = turn.acquire(timeout=0.005)
+
+        return call
+
+    collectives._Round.wait = passing_the_turn(collectives._Round.wait)
+    torch_xla.sync = torch_xla_module.sync = passing_the_turn(torch_xla.sync)
+
+
+def _local_op():
+    """torch_xla's in-place all-reduce primitive (what xm.optimizer_step reaches), scaling
+    each rank's own tensors instead of reducing across ranks."""
+    import torch_xla
+
+    def scale_only(reduce_type, inputs, scale, *groups_and_layout):
+        for tensor in inputs:
+            tensor.mul_(scale)
+
+    torch_xla._XLAC._xla_all_reduce_inplace = scale_only
+
+
+def run_variant(variant, epochs):
+    import tpunb
+
+    if variant == "a local op":
+        _local_op()  # before simulate wraps the primitives
+
+    tpunb.simulate(cores=CORES)
+    patch = {
+        "one barrier": lambda: _without_second_barrier(meet=True),
+        "no barriers": lambda: _without_second_barrier(meet=False),
+        "one graph": _one_graph,
+        "one Python thread": _one_python_thread,
+    }.get(variant)
+    if patch:
+        patch()  # before the launch forks: the ranks' process inherits it
+    loader = DataLoader(DATASET, batch_size=BATCH, drop_last=True)
+    all_reduce = variant != "no collective"
+    return tpunb.launch(_epochs, loader, epochs, all_reduce, live=False)[0][1:]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeats", type=int, default=2, help="runs of each variant")
+    parser.add_argument("--epochs", type=int, default=4, help="epochs a run (first untimed)")
+    parser.add_argument("--variant", choices=VARIANTS, help=argparse.SUPPRESS)
+    options = parser.parse_args()
+    if options.variant:
+        print(json.dumps(run_variant(options.variant, options.epochs)))
+        return
+    results = {variant: [] for variant in VARIANTS}
+    for _ in range(options.repeats):
+        for variant in VARIANTS:
+            command = [
+                sys.executable,
+                __file__,
+                f"--variant={variant}",
+                f"--epochs={options.epochs}",
+            ]
+            done = subprocess.run(command, capture_output=True, text=True, check=False)
+            if done.returncode != 0:
+                raise SystemExit(f"{variant} failed:\n{done.stderr[-3000:]}")
+            results[variant] += json.loads(done.stdout.strip().splitlines()[-1])
+    cpus = len(os.sched_getaffinity(0))
+    print(
+        f"8 simulated cores, per-core batch {BATCH}, {cpus} CPU(s); medians of "
+        f"{len(results[VARIANTS[0]])} epochs"
+    )
+    print(f"{'variant':<18} {'s an epoch':>10} {'ratio':>6} {'CPU s an epoch':>15}")
+    base = statistics.median(wall for wall, _ in results[VARIANTS[0]])
+    for variant, epochs in results.items():
+        wall = statistics.median(w for w, _ in epochs)
+        cpu = statistics.median(c for _, c in epochs)
+        print(f"{variant:<18} {wall:10.3f} {wall / base:6.2f} {cpu:15.2f}")
+
+
+if __name__ == "__main__":
+    main()
