@@ -17,7 +17,7 @@ simulated cores, as tpunb runs it and with each safeguard taken away, in the sam
 
 The variants are measurements, not options: they are safe for this workload only, whose
 ranks all trace the same graphs. Without the safeguards, ranks whose graphs differ abort in
-XLA's rendezvous (docs/simulation.md, "How collectives work here").
+XLA's rendezvous (tpunb/simulation/collectives.py says why).
 Each variant runs in its own process, the variants alternating; seconds an epoch after a
 first that compiles, and the CPU seconds the process used in it; medians over the epochs.
 Run: python benchmarks/simulation_variants.py [--repeats N] (taskset -c 0 first: one CPU)
@@ -80,8 +80,6 @@ def _dispatch(device):
 
 def _without_second_barrier(meet):
     """The collective's graph dispatched after one meeting (``meet``), or none."""
-    import sys as _sys
-
     import torch_xla
     import torch_xla.runtime as xr
 
@@ -91,7 +89,7 @@ def _without_second_barrier(meet):
         device = torch_xla._XLAC._xla_get_default_device()
         meeting, rank = collectives._round(), xr.global_ordinal()
         meeting.collectives[rank] += 1
-        meeting.calls[rank] = (call, collectives._Caller(_sys._getframe()))
+        meeting.calls[rank] = (call, collectives._Caller(sys._getframe()))
         if meet:
             collectives._wait_for_every_rank(meeting, rank)
             collectives._check_same_call(meeting)
