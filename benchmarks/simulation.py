@@ -99,26 +99,31 @@ def simulated(epochs, batch):
     return [max(epoch) for epoch in zip(*per_rank, strict=True)]
 
 
-def _one_xla_device():
-    os.environ.update(PJRT_DEVICE="CPU", CPU_NUM_DEVICES="1")
+def _xla_cpu_devices(count):
+    os.environ.update(PJRT_DEVICE="CPU", CPU_NUM_DEVICES=str(count))
     import torch_xla
 
-    return torch_xla.device()
+    return [torch_xla.device(index) for index in range(count)]
 
 
-def serial_epoch(batch):
+def serial_epoch(batch, devices=1):
     """An epoch of the serial rank-steps (one model a rank, each trained on its shard, one
-    after another on one XLA CPU device), as a function to call."""
+    after another, from one Python thread), as a function to call. The XLA runtime has
+    ``devices`` CPU devices and rank r's model is on device r % ``devices``: with 1, they
+    share one device; with 8, each has its own, as on simulated cores."""
     import torch_xla
 
-    device = _one_xla_device()
-    models = [copy.deepcopy(MODEL).to(device) for _ in range(CORES)]
+    places = _xla_cpu_devices(devices)
+    places = [places[rank % devices] for rank in range(CORES)]
+    models = [copy.deepcopy(MODEL).to(place) for place in places]
     optimizers = [torch.optim.SGD(m.parameters(), lr=0.01) for m in models]
+    ranks = list(zip(places, models, optimizers, strict=True))
 
     def epoch():
         for batches in zip(*(_loader(rank, batch) for rank in range(CORES)), strict=True):
-            for model, optimizer, (inputs, labels) in zip(models, optimizers, batches, strict=True):
-                _step(model, optimizer, inputs.to(device), labels.to(device))
+            for (place, model, optimizer), (inputs, labels) in zip(ranks, batches, strict=True):
+                torch_xla._XLAC._xla_set_default_device(str(place))  # what sync() runs
+                _step(model, optimizer, inputs.to(place), labels.to(place))
                 optimizer.step()
                 torch_xla.sync()
 
@@ -151,7 +156,7 @@ def one_device(epochs, batch):
     import torch_xla
     import torch_xla.core.xla_model as xm
 
-    epoch = _global_batch_epoch(batch, _one_xla_device(), torch_xla.sync)
+    epoch = _global_batch_epoch(batch, _xla_cpu_devices(1)[0], torch_xla.sync)
     return _timed(epochs, epoch, xm.wait_device_ops)
 
 

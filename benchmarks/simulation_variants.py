@@ -1,6 +1,16 @@
 """What the simulation's safeguards cost: the workload of benchmarks/simulation.py on 8
 simulated cores, as tpunb runs it and with each safeguard taken away, in the same run.
 
+Two baselines without threads first, which bound what the simulation can reach:
+
+- serial, one device: the rank-steps one after another from one Python thread, on one
+  XLA CPU device (benchmarks/simulation.py's serial rank-steps).
+- serial, 8 devices: the same, each rank's model on its own device of an XLA runtime of
+  8 CPU devices, as on simulated cores (XLA sizes its CPU client's thread pools by the
+  device count).
+
+Then 8 simulated cores:
+
 - as shipped: tpunb.simulate as it is.
 - one barrier: the ranks meet once before the collective's graph is dispatched, not again
   after it.
@@ -37,10 +47,12 @@ import torch
 from torch.utils.data import DataLoader
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from simulation import CORES, MODEL, _step  # noqa: E402
+from simulation import CORES, MODEL, _step, serial_epoch  # noqa: E402
 from workload import BATCH, DATASET  # noqa: E402
 
+BASELINES = {"serial, one device": 1, "serial, 8 devices": CORES}
 VARIANTS = (
+    *BASELINES,
     "as shipped",
     "one barrier",
     "no barriers",
@@ -49,6 +61,11 @@ VARIANTS = (
     "a local op",
     "no collective",
 )
+
+
+# Every epoch starts and ends with all ranks: without a collective, a rank's own epoch says
+# nothing of the others' (rank 0 can finish its epochs while the others are still in theirs).
+_EPOCH_EDGE = threading.Barrier(CORES)
 
 
 def _epochs(rank, loader, epochs, all_reduce):
@@ -62,11 +79,13 @@ def _epochs(rank, loader, epochs, all_reduce):
     times = []
     for _ in range(epochs):
         xm.wait_device_ops()
+        _EPOCH_EDGE.wait()
         start, cpu = time.perf_counter(), os.times()
         for inputs, labels in tpunb.shard(loader):
             _step(model, optimizer, inputs, labels)
             xm.optimizer_step(optimizer) if all_reduce else optimizer.step()
         xm.wait_device_ops()
+        _EPOCH_EDGE.wait()
         end = os.times()  # the process's: every rank's thread and XLA's
         times.append((time.perf_counter() - start, end.user + end.system - cpu.user - cpu.system))
     return times
@@ -161,7 +180,24 @@ def _local_op():
     torch_xla._XLAC._xla_all_reduce_inplace = scale_only
 
 
+def _serial(devices, epochs):
+    import torch_xla.core.xla_model as xm
+
+    epoch = serial_epoch(BATCH, devices)
+    times = []
+    for _ in range(epochs):
+        xm.wait_device_ops()
+        start, cpu = time.perf_counter(), os.times()
+        epoch()
+        xm.wait_device_ops()
+        end = os.times()
+        times.append((time.perf_counter() - start, end.user + end.system - cpu.user - cpu.system))
+    return times[1:]
+
+
 def run_variant(variant, epochs):
+    if variant in BASELINES:
+        return _serial(BASELINES[variant], epochs)
     import tpunb
 
     if variant == "a local op":
@@ -209,7 +245,7 @@ def main():
         f"{len(results[VARIANTS[0]])} epochs"
     )
     print(f"{'variant':<18} {'s an epoch':>10} {'ratio':>6} {'CPU s an epoch':>15}")
-    base = statistics.median(wall for wall, _ in results[VARIANTS[0]])
+    base = statistics.median(wall for wall, _ in results["as shipped"])
     for variant, epochs in results.items():
         wall = statistics.median(w for w, _ in epochs)
         cpu = statistics.median(c for _, c in epochs)
