@@ -30,7 +30,7 @@ import torch
 from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from workload import BATCH, DATASET, MODEL  # noqa: E402
+from workload import BATCH, DATASET, MODEL, clocks, since  # noqa: E402
 
 import tpunb  # noqa: E402
 import tpunb.lightning  # noqa: E402
@@ -47,24 +47,14 @@ def _train(rank, loader):
     sharded = tpunb.shard(loader)
     epochs = []
     for _ in range(EPOCHS):
-        start = _clocks()
+        start = clocks()
         for x, y in sharded:
             optimizer.zero_grad()
             torch.nn.functional.cross_entropy(model(x), y).backward()
             xm.optimizer_step(optimizer)
         xm.wait_device_ops()
-        epochs.append(_since(start))
+        epochs.append(since(start))
     return epochs
-
-
-def _clocks():
-    """Wall seconds and this process's CPU seconds (all its threads)."""
-    cpu = os.times()
-    return time.perf_counter(), cpu.user + cpu.system
-
-
-def _since(start):
-    return [now - then for now, then in zip(_clocks(), start, strict=True)]
 
 
 def run_launch(loader):
@@ -86,13 +76,13 @@ class Classifier(lightning.LightningModule):
         return torch.nn.functional.cross_entropy(self.model(x), y)
 
     def on_train_epoch_start(self):
-        self.start = _clocks()
+        self.start = clocks()
 
     def on_train_epoch_end(self):
         import torch_xla.core.xla_model as xm
 
         xm.wait_device_ops()
-        self.epochs.append(_since(self.start))
+        self.epochs.append(since(self.start))
         if self.global_rank == 0:
             pathlib.Path(self.record).write_text(json.dumps(self.epochs))
 

@@ -41,14 +41,13 @@ import statistics
 import subprocess
 import sys
 import threading
-import time
 
 import torch
 from torch.utils.data import DataLoader
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from simulation import CORES, MODEL, _step, serial_epoch  # noqa: E402
-from workload import BATCH, DATASET  # noqa: E402
+from workload import BATCH, DATASET, clocks, since  # noqa: E402
 
 BASELINES = {"serial, one device": 1, "serial, 8 devices": CORES}
 VARIANTS = (
@@ -80,14 +79,13 @@ def _epochs(rank, loader, epochs, all_reduce):
     for _ in range(epochs):
         xm.wait_device_ops()
         _EPOCH_EDGE.wait()
-        start, cpu = time.perf_counter(), os.times()
+        start = clocks()
         for inputs, labels in tpunb.shard(loader):
             _step(model, optimizer, inputs, labels)
             xm.optimizer_step(optimizer) if all_reduce else optimizer.step()
         xm.wait_device_ops()
         _EPOCH_EDGE.wait()
-        end = os.times()  # the process's: every rank's thread and XLA's
-        times.append((time.perf_counter() - start, end.user + end.system - cpu.user - cpu.system))
+        times.append(since(start))
     return times
 
 
@@ -187,11 +185,10 @@ def _serial(devices, epochs):
     times = []
     for _ in range(epochs):
         xm.wait_device_ops()
-        start, cpu = time.perf_counter(), os.times()
+        start = clocks()
         epoch()
         xm.wait_device_ops()
-        end = os.times()
-        times.append((time.perf_counter() - start, end.user + end.system - cpu.user - cpu.system))
+        times.append(since(start))
     return times[1:]
 
 

@@ -1,5 +1,8 @@
 """The training workload the benchmarks share: data and a model built before any launch,
-so the fork shares them with every core."""
+so the fork shares them with every core; and the clocks they read."""
+
+import os
+import time
 
 import torch
 from torch.utils.data import TensorDataset
@@ -15,3 +18,14 @@ torch.manual_seed(0)
 MODEL = torch.nn.Sequential(
     torch.nn.Linear(FEATURES, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10)
 )
+
+
+def clocks():
+    """Wall seconds and this process's CPU seconds (all its threads: the ranks' and XLA's)."""
+    cpu = os.times()
+    return time.perf_counter(), cpu.user + cpu.system
+
+
+def since(start):
+    """[wall seconds, CPU seconds] since ``start`` (from ``clocks()``)."""
+    return [now - then for now, then in zip(clocks(), start, strict=True)]
