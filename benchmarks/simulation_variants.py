@@ -29,7 +29,9 @@ The variants are measurements, not options: they are safe for this workload only
 ranks all trace the same graphs. Without the safeguards, ranks whose graphs differ abort in
 XLA's rendezvous (tpunb/simulation/collectives.py says why).
 Each variant runs in its own process, the variants alternating; seconds an epoch after a
-first that compiles, and the CPU seconds the process used in it; medians over the epochs.
+first that compiles, the CPU seconds the process used in it, and the context switches a
+rank-step of the threads that run the ranks' steps and of the others (XLA's, autograd's,
+tpunb's); medians over the epochs.
 Run: python benchmarks/simulation_variants.py [--repeats N] (taskset -c 0 first: one CPU)
 """
 
@@ -37,6 +39,7 @@ import argparse
 import copy
 import json
 import os
+import pathlib
 import statistics
 import subprocess
 import sys
@@ -62,9 +65,33 @@ VARIANTS = (
 )
 
 
+_RANK_THREADS = set()  # the native ids of the threads that run the ranks' steps
+
+
+def _switches():
+    """The context switches (voluntary or not) of this process's threads so far: [those of
+    the threads that run ranks' steps, those of the others (XLA's, autograd's, tpunb's)]."""
+    counts = [0, 0]
+    for task in pathlib.Path("/proc/self/task").iterdir():
+        try:
+            status = (task / "status").read_text()
+        except OSError:  # the thread has ended
+            continue
+        fields = dict(line.split(":", 1) for line in status.splitlines())
+        kinds = ("voluntary_ctxt_switches", "nonvoluntary_ctxt_switches")
+        counts[int(task.name) not in _RANK_THREADS] += sum(int(fields[kind]) for kind in kinds)
+    return counts
+
+
 # Every epoch starts and ends with all ranks: without a collective, a rank's own epoch says
 # nothing of the others' (rank 0 can finish its epochs while the others are still in theirs).
-_EPOCH_EDGE = threading.Barrier(CORES)
+# At each edge, once every rank has arrived, the switches so far.
+_EDGES = []
+_EPOCH_EDGE = threading.Barrier(CORES, action=lambda: _EDGES.append(_switches()))
+
+
+def _per_rank_step(start, end, rank_steps):
+    return [(after - before) / rank_steps for before, after in zip(start, end, strict=True)]
 
 
 def _epochs(rank, loader, epochs, all_reduce):
@@ -73,10 +100,11 @@ def _epochs(rank, loader, epochs, all_reduce):
 
     import tpunb
 
+    _RANK_THREADS.add(threading.get_native_id())
     model = copy.deepcopy(MODEL).to(torch_xla.device())
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     times = []
-    for _ in range(epochs):
+    for epoch in range(epochs):
         xm.wait_device_ops()
         _EPOCH_EDGE.wait()
         start = clocks()
@@ -85,7 +113,7 @@ def _epochs(rank, loader, epochs, all_reduce):
             xm.optimizer_step(optimizer) if all_reduce else optimizer.step()
         xm.wait_device_ops()
         _EPOCH_EDGE.wait()
-        times.append(since(start))
+        times.append(since(start) + _per_rank_step(*_EDGES[2 * epoch : 2 * epoch + 2], len(loader)))
     return times
 
 
@@ -181,14 +209,16 @@ def _local_op():
 def _serial(devices, epochs):
     import torch_xla.core.xla_model as xm
 
+    _RANK_THREADS.add(threading.get_native_id())
     epoch = serial_epoch(BATCH, devices)
+    rank_steps = len(DATASET) // BATCH
     times = []
     for _ in range(epochs):
         xm.wait_device_ops()
-        start = clocks()
+        start, switches = clocks(), _switches()
         epoch()
         xm.wait_device_ops()
-        times.append(since(start))
+        times.append(since(start) + _per_rank_step(switches, _switches(), rank_steps))
     return times[1:]
 
 
@@ -241,12 +271,19 @@ def main():
         f"8 simulated cores, per-core batch {BATCH}, {cpus} CPU(s); medians of "
         f"{len(results[VARIANTS[0]])} epochs"
     )
-    print(f"{'variant':<18} {'s an epoch':>10} {'ratio':>6} {'CPU s an epoch':>15}")
-    base = statistics.median(wall for wall, _ in results["as shipped"])
+    print(
+        f"{'variant':<18} {'s an epoch':>10} {'ratio':>6} {'CPU s an epoch':>15}"
+        f" {'switches a rank-step: rank threads':>35} {'other threads':>14}"
+    )
+    base = statistics.median(epoch[0] for epoch in results["as shipped"])
     for variant, epochs in results.items():
-        wall = statistics.median(w for w, _ in epochs)
-        cpu = statistics.median(c for _, c in epochs)
-        print(f"{variant:<18} {wall:10.3f} {wall / base:6.2f} {cpu:15.2f}")
+        wall, cpu, ranks, others = (
+            statistics.median(column) for column in zip(*epochs, strict=True)
+        )
+        print(
+            f"{variant:<18} {wall:10.3f} {wall / base:6.2f} {cpu:15.2f}"
+            f" {ranks:35.1f} {others:14.1f}"
+        )
 
 
 if __name__ == "__main__":
