@@ -1,15 +1,22 @@
 """Where tpunb sees a rank's steps: for the duration of a launch, in the parent,
 ``torch_xla.sync`` and torch_xla's per-device loader are wrapped so that each sync ends a
 step (for the hang watchdog's heartbeat and the step records) and each batch a loader
-hands out is recorded. torch_xla's helpers that read device values only after a sync
-(``xm.add_step_closure``'s closures, ``xm.rendezvous`` and ``xm.mesh_reduce`` through
-``xm.xla_rendezvous``) have the CPU fallbacks they make excused: they cut no graph. The
-fork hands the wrappers to the ranks; the parent's own behaviour is unchanged (no rank
-runs in it) and restored afterwards."""
+hands out is recorded. The syncs torch_xla's dynamo bridge makes while it extracts a
+``torch.compile``d graph (at a compiled function's first call, or a new shape) are inside
+the notebook's step and end none. torch_xla's helpers that read device values only after
+a sync (``xm.add_step_closure``'s closures, ``xm.rendezvous`` and ``xm.mesh_reduce``
+through ``xm.xla_rendezvous``) have the CPU fallbacks they make excused: they cut no
+graph. The fork hands the wrappers to the ranks; the parent's own behaviour is unchanged
+(no rank runs in it) and restored afterwards."""
 
 import contextlib
+import sys
 
 from tpunb.launcher import heartbeat, recorder
+
+# Its extract_graph_helper and extract_compiled_graph_helper call torch_xla.sync() to
+# materialize the compiled graph's inputs.
+_DYNAMO_BRIDGE = "torch_xla._dynamo.dynamo_bridge"
 
 
 @contextlib.contextmanager
@@ -26,6 +33,8 @@ def installed():
 
     def sync_ending_a_step(*args, **kwargs):
         result = sync(*args, **kwargs)
+        if sys._getframe(1).f_globals.get("__name__") == _DYNAMO_BRIDGE:
+            return result
         heartbeat.tick()
         steps = recorder.current()
         if steps is not None:
