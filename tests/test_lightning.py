@@ -168,6 +168,34 @@ def test_the_live_callback_feeds_history_compile_watch_and_text_view(cores8, tmp
     _assert_trained_like(model, _reference(network, epochs=2), network)
 
 
+class ProgressBarRegression(Regression):
+    def training_step(self, batch, batch_index):
+        _, inputs, targets = batch
+        loss = torch.nn.functional.mse_loss(self.network(inputs), targets)
+        self.log("mse", loss, prog_bar=True)
+        return loss
+
+
+def test_a_value_logged_for_the_progress_bar_is_recorded_without_a_read_of_its_own(
+    cores8, tmp_path
+):
+    live = tpunb.lightning.LiveCallback()
+    trainer = tpunb.lightning.trainer(
+        max_epochs=2, callbacks=[live], live=False, **_quiet(tmp_path)
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", tpunb.TpunbWarning)  # Lightning's own .item(), below
+        trainer.fit(ProgressBarRegression(_network()), DataLoader(Indexed(), batch_size=BATCH))
+    batches = 2 * SAMPLES // CORES // BATCH
+    training = [s for s in live.history.steps[0] if "loss" in s.values]
+    assert len(training) == batches
+    assert all(s.values["mse"] == pytest.approx(s.values["loss"]) for s in training)
+    # Lightning turns prog_bar values into numbers (.item()) once a batch, in its logger
+    # connector's on_batch_end. Reading trainer.callback_metrics, the callback did it again.
+    reads = live.compiles.fallbacks.get("aten::_local_scalar_dense", 0)
+    assert reads <= CORES * batches
+
+
 def test_fit_again_needs_a_new_trainer_and_continues_from_the_trained_weights(
     cores8, tmp_path, caplog
 ):

@@ -22,7 +22,7 @@ import logging
 import multiprocessing
 
 from tpunb import live as live_view
-from tpunb import metrics, migration
+from tpunb import migration
 from tpunb.errors import TpunbError
 from tpunb.launcher import base, one_core, preflight, rank, recorder, supervisor
 from tpunb.simulation.lightning import trained_weights_back
@@ -49,23 +49,29 @@ LIGHTNING_LOGGERS = (
     "lightning_fabric",
 )
 
-# Metrics logged with self.log(...) whose names start so are not training metrics.
-NOT_TRAINING = ("val", "test", "predict")
-
 
 class LiveCallback(pl.Callback):
-    """Feeds tpunb from a Lightning run: each training step's loss and the training
-    metrics logged with ``self.log`` go to ``tpunb.log``, and the training loader's
-    batches, compilations and samples/s to the history and the compile watch.
+    """Feeds tpunb from a Lightning run: each training step's loss and the values logged
+    with ``self.log`` in it go to ``tpunb.log``, and the training loader's batches,
+    compilations and samples/s to the history and the compile watch.
 
     Use it in a trainer built by ``tpunb.lightning.trainer(...)``. After ``fit``,
     ``history`` (a ``tpunb.History``) and ``compiles`` (a ``tpunb.CompileSummary``) hold
     the run, as a launch's results do.
     """
 
+    # Lightning calls each hook of every callback, through its profiler, at every batch;
+    # it skips a hook that is not callable (``_call_callback_hooks`` in
+    # lightning/pytorch/trainer/call.py). These are the per-batch hooks this one leaves out.
+    on_before_zero_grad = on_before_backward = on_after_backward = None
+    on_before_optimizer_step = None
+    on_validation_batch_start = on_validation_batch_end = None
+    on_test_batch_start = on_test_batch_end = on_predict_batch_start = on_predict_batch_end = None
+
     def __init__(self):
         self.history = None
         self.compiles = None
+        self._logged = None  # in a training batch: name -> value given to self.log
 
     def setup(self, trainer, pl_module, stage):
         steps = recorder.current()
@@ -79,6 +85,14 @@ class LiveCallback(pl.Callback):
         # Lightning syncs several times (barriers, broadcasts) before the first batch and
         # after the last: the compile watch counts those steps in the warm-up.
         steps.framework_steps(True)
+        # The values the training step logs, as given: Lightning's trainer.callback_metrics
+        # would turn those logged with prog_bar=True into Python numbers (.item()), a sync
+        # in every step. Only in this rank's copy of the module, for the run.
+        pl_module.log = _Logging(pl_module.log, self)
+
+    def teardown(self, trainer, pl_module, stage):
+        if isinstance(vars(pl_module).get("log"), _Logging):
+            del pl_module.log
 
     def on_train_start(self, trainer, pl_module):
         # Lightning's sanity check reads the validation loader first: name the training one.
@@ -98,6 +112,7 @@ class LiveCallback(pl.Callback):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         recorder.current().framework_steps(False)
+        self._logged = {}
 
     def on_train_end(self, trainer, pl_module):
         recorder.current().framework_steps(True)
@@ -107,13 +122,34 @@ class LiveCallback(pl.Callback):
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
         if loss is not None:
             values["loss"] = loss
-        for name, value in trainer.callback_metrics.items():
-            if name.startswith(NOT_TRAINING) or name.endswith("_epoch") or name in values:
-                continue
-            if getattr(value, "numel", lambda: 1)() == 1:
-                values[name.removesuffix("_step")] = value
+        for name, value in (self._logged or {}).items():
+            values.setdefault(name, value)
+        self._logged = None
         if values:
-            metrics.log(**values)
+            recorder.current().log(values)
+
+    def _logged_value(self, name, value, on_step):
+        """A value given to ``self.log``: kept for this training batch's record when it is
+        one number a step (Lightning's default in the training step: ``on_step=True``)."""
+        if self._logged is None or on_step is False:
+            return
+        value = getattr(value, "_forward_cache", value)  # a torchmetrics Metric: this batch's
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            self._logged[name] = value
+        elif getattr(value, "numel", None) is not None and value.numel() == 1:
+            self._logged[name] = value
+
+
+class _Logging:
+    """``LightningModule.log`` that also hands each value to a ``LiveCallback``."""
+
+    def __init__(self, log, callback):
+        self.log = log
+        self.callback = callback
+
+    def __call__(self, name, value, prog_bar=False, logger=None, on_step=None, *more, **options):
+        self.log(name, value, prog_bar, logger, on_step, *more, **options)
+        self.callback._logged_value(name, value, on_step)
 
 
 def trainer(*, live="auto", hang_timeout=600, **trainer_arguments):

@@ -26,9 +26,10 @@ class Channel:
         self.inbox = queue.Queue()
         self._reader = threading.Thread(target=self._read, name="tpunb-channel", daemon=True)
 
-    def send(self, message):
-        """Called in a rank: pickles ``message`` by value and writes it whole."""
-        data = dumps(message)
+    def send(self, message, plain=False):
+        """Called in a rank: pickles ``message`` by value and writes it whole. ``plain``:
+        it holds no tensor (plain pickle, without a Python call for every object)."""
+        data = pickle.dumps(message, pickle.HIGHEST_PROTOCOL) if plain else dumps(message)
         with self._lock:
             self._sender.send_bytes(data)
 

@@ -123,8 +123,8 @@ class Recorder:
         sending = self._unsent[:-1] if keep_last else self._unsent
         if not sending:
             return
-        _read_back([record.values for record in sending])
-        self.channel.send(Steps(self.rank, sending))
+        _read_back([record.values for record in sending])  # floats from here on
+        self.channel.send(Steps(self.rank, sending), plain=True)
         self._unsent = self._unsent[len(sending) :]
 
     def flush_finished_steps(self):
@@ -214,8 +214,10 @@ def _scalar(name, value):
                 f"tpunb.log({name}=...) got a tensor of shape {tuple(value.shape)}; it takes "
                 "one number a name. Reduce it first, e.g. loss.mean() or acc.sum()."
             )
-        value = value.detach()
-        return value if value.dim() == 0 else value.reshape(())  # no new op when 0-dim
+        # No new op (each releases the GIL) for a value already detached and 0-dim.
+        if value.requires_grad:
+            value = value.detach()
+        return value if value.dim() == 0 else value.reshape(())
     return float(value)
 
 
