@@ -32,6 +32,14 @@ _FALLBACK_CAUSES = {
     ),
 }
 
+# Where a framework runs the loop (its own steps seen): what it reads back itself.
+_FRAMEWORK_FALLBACK_CAUSES = {
+    "aten::_local_scalar_dense": (
+        ". In PyTorch Lightning, self.log(..., prog_bar=True) makes one at every batch: "
+        "Lightning reads the value back for its progress bar. Leave prog_bar out: the live "
+        "view shows the value"
+    ),
+}
 
 # What a step did, all ranks together: compilations, CPU fallbacks (op -> times), the
 # steps the processes' ranks were in meanwhile (lowest, highest; None when unknown), and
@@ -264,6 +272,8 @@ class CompileWatch:
 
     def _fallback_message(self, number, op):
         why = _FALLBACK_CAUSES.get(op, "an op torch_xla has no XLA lowering for")
+        if self._framework_steps:
+            why += _FRAMEWORK_FALLBACK_CAUSES.get(op, "")
         return (
             f"{self._place(number)} ran {op} on the CPU (a fallback: the step's graph is cut there "
             f"and data goes through the host). Likely cause: {why}."
