@@ -384,6 +384,25 @@ def test_the_same_graph_every_step_is_never_called_a_changed_graph(cores8):
     assert results.compiles.causes == []
 
 
+def _result_read_after_the_last_sync(rank, steps):
+    import torch_xla
+
+    x = torch.zeros(4, device=torch_xla.device())
+    for _ in range(steps):
+        x = x + 1
+        torch_xla.sync()
+    return x.sum().item()  # the usual end of a rank's function: its result as a number
+
+
+def test_a_result_read_after_the_last_sync_is_counted_but_not_blamed(cores8):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tpunb.TpunbWarning)
+        results = tpunb.launch(_result_read_after_the_last_sync, 6, live=False)
+    assert list(results) == [24.0] * 8
+    assert results.compiles.fallbacks == {"aten::_local_scalar_dense": 8}
+    assert results.compiles.causes == []
+
+
 def test_a_compilation_counted_steps_after_a_lagging_ranks_new_shape_is_blamed_on_it():
     # Rank 1 lags 30 steps behind rank 0, which reads the process's counters: the graph
     # rank 1 compiled for its new batch shape at its step 10 is counted in rank 0's step 40.

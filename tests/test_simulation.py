@@ -86,7 +86,9 @@ def _rank_zero_evaluates_alone(rank):
 
 
 def test_syncs_on_one_rank_only_do_not_block_collectives(cores8):
-    results = tpunb.launch(_rank_zero_evaluates_alone)
+    # Rank 0's evaluation reads a value with .item() between steps: the watch says so.
+    with pytest.warns(tpunb.TpunbWarning, match="ran aten::_local_scalar_dense"):
+        results = tpunb.launch(_rank_zero_evaluates_alone)
     assert all(weights == results[0][0] for weights, _ in results)
     assert results[0][0] == pytest.approx([1 - 3 * 0.01 * 28] * 4)
     assert [evaluations for _, evaluations in results] == [6] + [0] * 7

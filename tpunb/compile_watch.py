@@ -203,7 +203,14 @@ class CompileWatch:
         # their graphs once, in code the notebook does not control.
         if number in self._framework_steps:
             return []
-        causes = [(f"fallback {op}", self._fallback_message(number, op)) for op in fallbacks]
+        # After the last sync (the launch's last step, or a rank's work after its function)
+        # a read such as `return loss.item()` takes a computed value: it cuts no step.
+        after_training = number == self._last_step or closing
+        causes = [
+            (f"fallback {op}", self._fallback_message(number, op))
+            for op in fallbacks
+            if not after_training
+        ]
         lowest, highest = span or (number, number)
         # The new shapes that explain the compilations: this step's, else the nearest of
         # the steps the process's ranks were in meanwhile (and one either side).
@@ -217,11 +224,7 @@ class CompileWatch:
             # Expected graphs of their own: the work after a rank's function (evaluating,
             # gathering results), the launch's last step, and a framework step's work read
             # a step early or run in the step after it.
-            expected = (
-                number == self._last_step
-                or closing
-                or any(n in self._framework_steps for n in around)
-            )
+            expected = after_training or any(n in self._framework_steps for n in around)
             if cause[0] != "graph" or not expected:
                 causes.append(cause)
         warnings = []
