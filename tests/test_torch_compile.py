@@ -37,18 +37,7 @@ def _compiled_collective_and_training(rank):
         x = torch.full((2, 4), float(rank + step), device=device)
         sums.append(compiled(x, w).tolist())
         torch_xla.sync()
-
-    model = _model().to(device)  # seeded in the rank: the same weights on every core
-    compiled_model = torch.compile(model, backend="openxla")
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    shard = slice(rank * 4, rank * 4 + 4)
-    x, y = FEATURES[shard].to(device), TARGETS[shard].to(device)
-    for _ in range(STEPS):
-        optimizer.zero_grad()
-        torch.nn.functional.mse_loss(compiled_model(x), y).backward()
-        xm.optimizer_step(optimizer)
-        torch_xla.sync()
-    return sums, [p.detach().cpu() for p in model.parameters()]
+    return sums, _compiled_model_trained(rank, STEPS)
 
 
 def _global_batch_training():
@@ -83,7 +72,7 @@ def _compiled_model_trained(rank, steps):
     import torch_xla
     import torch_xla.core.xla_model as xm
 
-    model = _model().to(torch_xla.device())
+    model = _model().to(torch_xla.device())  # seeded in the rank: the same weights everywhere
     compiled_model = torch.compile(model, backend="openxla")
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     shard = slice(rank * 4, rank * 4 + 4)
