@@ -141,8 +141,9 @@ class _Supervisor:
 
     def _handle(self, message):
         if isinstance(message, Steps):
-            self.history.add(message.rank, message.steps)
-            self._warn(self.compile_watch.add(message.rank, message.steps))
+            steps = message.steps()
+            self.history.add(message.rank, steps)
+            self._warn(self.compile_watch.add(message.rank, steps))
         elif isinstance(message, Returned):
             self.results.update(message.results)
         elif isinstance(message, Raised):
