@@ -98,6 +98,9 @@ class Recorder:
             self._epoch = self._epoch_batch = self._epoch_batches = None
 
     def _count_pass(self, device_loader):
+        if device_loader is self._pass:  # the training loader's pass under way
+            self._epoch_batch += 1
+            return
         # Told apart by dataset: shard() builds a new DataLoader at each call, on the same
         # dataset.
         host_loader = getattr(getattr(device_loader, "_loader", None), "_cpu_loader", None)
@@ -106,15 +109,13 @@ class Recorder:
             self._loader = data
         if data is not self._loader:
             return  # another loader (evaluation): not the training progress
-        if device_loader is not self._pass:
-            self._pass = device_loader
-            self._epoch = 0 if self._epoch is None else self._epoch + 1
-            self._epoch_batch = 0
-            try:
-                self._epoch_batches = len(device_loader)
-            except TypeError:  # an IterableDataset without __len__
-                self._epoch_batches = None
-        self._epoch_batch += 1
+        self._pass = device_loader
+        self._epoch = 0 if self._epoch is None else self._epoch + 1
+        self._epoch_batch = 1
+        try:
+            self._epoch_batches = len(device_loader)
+        except TypeError:  # an IterableDataset without __len__
+            self._epoch_batches = None
 
     def flush(self, keep_last=False):
         """Reads the logged device values back in one transfer and sends the steps (all
@@ -124,7 +125,7 @@ class Recorder:
         if not sending:
             return
         _read_back([record.values for record in sending])  # floats from here on
-        self.channel.send(Steps(self.rank, sending), plain=True)
+        self.channel.send(Steps.of(self.rank, sending), plain=True)
         self._unsent = self._unsent[len(sending) :]
 
     def flush_finished_steps(self):
