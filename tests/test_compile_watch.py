@@ -403,6 +403,23 @@ def test_a_result_read_after_the_last_sync_is_counted_but_not_blamed(cores8):
     assert results.compiles.causes == []
 
 
+def test_a_result_read_by_a_rank_past_its_last_sync_is_not_blamed_on_a_lagging_step():
+    # Seen in CI: the process's reporting rank read the counters in its step 4 while
+    # another rank, done with its 6 steps, ran `return x.sum().item()` (heartbeat step 6,
+    # its function not yet returned).
+    watch = tpunb.compile_watch.CompileWatch(ranks=2)
+    messages = []
+    for step in range(6):
+        record = _record(step, 8, compiles=2 if step == 0 else 0)
+        record.process_steps = (step, 6 if step == 4 else step)
+        if step == 4:
+            record.fallbacks = {"aten::_local_scalar_dense": 1}
+        messages += watch.add(0, [record]) + watch.add(1, [_record(step, 8)])
+    messages += watch.finish()
+    assert messages == []
+    assert watch.summary().fallbacks == {"aten::_local_scalar_dense": 1}
+
+
 def test_a_compilation_counted_steps_after_a_lagging_ranks_new_shape_is_blamed_on_it():
     # Rank 1 lags 30 steps behind rank 0, which reads the process's counters: the graph
     # rank 1 compiled for its new batch shape at its step 10 is counted in rank 0's step 40.

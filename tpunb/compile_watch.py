@@ -203,15 +203,16 @@ class CompileWatch:
         # their graphs once, in code the notebook does not control.
         if number in self._framework_steps:
             return []
+        lowest, highest = span or (number, number)
         # After the last sync (the launch's last step, or a rank's work after its function)
-        # a read such as `return loss.item()` takes a computed value: it cuts no step.
-        after_training = number == self._last_step or closing
+        # a read such as `return loss.item()` takes a computed value: it cuts no step. A
+        # rank past the last step (its function not yet returned) may be the one that read.
+        after_training = number == self._last_step or closing or highest > self._last_step
         causes = [
             (f"fallback {op}", self._fallback_message(number, op))
             for op in fallbacks
             if not after_training
         ]
-        lowest, highest = span or (number, number)
         # The new shapes that explain the compilations: this step's, else the nearest of
         # the steps the process's ranks were in meanwhile (and one either side).
         around = sorted(range(lowest - 1, highest + 2), key=lambda n: abs(n - number))
