@@ -8,10 +8,12 @@ The same training (the shared workload, SGD, the same per-core batch, 5 epochs) 
 
 Printed as ratios to the baseline: seconds an epoch after the first (timed in rank 0,
 compilation done), the CPU seconds the ranks' process used in it (every rank's thread and
-XLA's: what a side adds, with less of the machine's noise than wall time), and the whole
-call (fork, setup, teardown included). Sides alternate so drift on the machine hits all
-alike; figures are medians over the repeats, and "tpunb.lightning / lightning" is the
-median of each repeat's own ratio (the two ran one after the other).
+XLA's: what a side adds, with less of the machine's noise than wall time), the context
+switches of that process's threads in it (a count: what a side makes threads wait and
+wake for), and the whole call (fork, setup, teardown included). Sides alternate so drift
+on the machine hits all alike; figures are medians over the repeats, and
+"tpunb.lightning / lightning" is the median of each repeat's own ratio (the two ran one
+after the other).
 Run: python benchmarks/lightning_vs_launch.py [--repeats N]
 """
 
@@ -20,6 +22,7 @@ import copy
 import json
 import os
 import pathlib
+import resource
 import statistics
 import sys
 import tempfile
@@ -38,6 +41,12 @@ import tpunb.lightning  # noqa: E402
 EPOCHS = 5  # 4 timed a run: pairs of runs differ by up to 10% on a 2-CPU machine
 
 
+def _clocks():
+    """``clocks()``, then the context switches of this process's threads so far."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return (*clocks(), usage.ru_nvcsw + usage.ru_nivcsw)
+
+
 def _train(rank, loader):
     import torch_xla
     import torch_xla.core.xla_model as xm
@@ -47,13 +56,13 @@ def _train(rank, loader):
     sharded = tpunb.shard(loader)
     epochs = []
     for _ in range(EPOCHS):
-        start = clocks()
+        start = _clocks()
         for x, y in sharded:
             optimizer.zero_grad()
             torch.nn.functional.cross_entropy(model(x), y).backward()
             xm.optimizer_step(optimizer)
         xm.wait_device_ops()
-        epochs.append(since(start))
+        epochs.append(since(start, _clocks))
     return epochs
 
 
@@ -76,13 +85,13 @@ class Classifier(lightning.LightningModule):
         return torch.nn.functional.cross_entropy(self.model(x), y)
 
     def on_train_epoch_start(self):
-        self.start = clocks()
+        self.start = _clocks()
 
     def on_train_epoch_end(self):
         import torch_xla.core.xla_model as xm
 
         xm.wait_device_ops()
-        self.epochs.append(since(self.start))
+        self.epochs.append(since(self.start, _clocks))
         if self.global_rank == 0:
             pathlib.Path(self.record).write_text(json.dumps(self.epochs))
 
@@ -120,17 +129,23 @@ def main():
         "lightning": lambda: run_lightning(loader, watched=False),
         "tpunb.lightning": lambda: run_lightning(loader, watched=True),
     }
-    epoch, cpu, total = ({name: [] for name in sides} for _ in range(3))
+    epoch, cpu, switches, total = ({name: [] for name in sides} for _ in range(4))
     for _ in range(repeats):
         for name, run in sides.items():
             start = time.perf_counter()
             epochs = run()[1:]  # the first compiles
             total[name].append(time.perf_counter() - start)
-            epoch[name].append(statistics.median(wall for wall, _ in epochs))
-            cpu[name].append(statistics.median(seconds for _, seconds in epochs))
+            epoch[name].append(statistics.median(wall for wall, _, _ in epochs))
+            cpu[name].append(statistics.median(seconds for _, seconds, _ in epochs))
+            switches[name].append(statistics.median(count for _, _, count in epochs))
     base = {
         figure: statistics.median(values["launch"])
-        for figure, values in (("epoch", epoch), ("cpu", cpu), ("total", total))
+        for figure, values in (
+            ("epoch", epoch),
+            ("cpu", cpu),
+            ("switches", switches),
+            ("total", total),
+        )
     }
     print(
         f"\n8 simulated cores, {len(DATASET)} samples, per-core batch {BATCH}, {EPOCHS} epochs, "
@@ -138,15 +153,15 @@ def main():
     )
     print(
         f"{'side':<16} {'s/epoch':>8} {'ratio':>6} {'CPU s/epoch':>12} {'ratio':>6} "
-        f"{'whole call s':>13} {'ratio':>6}"
+        f"{'switches/epoch':>15} {'ratio':>6} {'whole call s':>13} {'ratio':>6}"
     )
     for name in sides:
-        e, c, t = (statistics.median(values[name]) for values in (epoch, cpu, total))
+        e, c, s, t = (statistics.median(values[name]) for values in (epoch, cpu, switches, total))
         print(
             f"{name:<16} {e:8.3f} {e / base['epoch']:6.2f} {c:12.2f} {c / base['cpu']:6.2f} "
-            f"{t:13.2f} {t / base['total']:6.2f}"
+            f"{s:15.0f} {s / base['switches']:6.2f} {t:13.2f} {t / base['total']:6.2f}"
         )
-    for figure, values in (("s/epoch", epoch), ("CPU s/epoch", cpu)):
+    for figure, values in (("s/epoch", epoch), ("CPU s/epoch", cpu), ("switches/epoch", switches)):
         ratios = [
             w / p for w, p in zip(values["tpunb.lightning"], values["lightning"], strict=True)
         ]
