@@ -24,9 +24,9 @@ Then 8 simulated cores:
   on the same tensors (each rank's gradients scaled): the collective's graph, its cuts and
   barriers, without XLA's collective.
 - no collective: the ablation, each rank trains alone (``optimizer.step()``).
-- rank threads on one CPU: as shipped, but after the first epoch each rank's thread is
-  confined to the first CPU the process may use (``os.sched_setaffinity`` of the calling
-  thread). XLA's and torch_xla's threads, started by then, keep every CPU.
+- rank threads on every CPU: the ranks' threads stay on every CPU the process may use,
+  instead of moving to one at their first sync on a 2-CPU machine
+  (tpunb/simulation/rank_cpu.py).
 
 The variants are measurements, not options: they are safe for this workload only, whose
 ranks all trace the same graphs. Without the safeguards, ranks whose graphs differ abort in
@@ -65,12 +65,11 @@ VARIANTS = (
     "one Python thread",
     "a local op",
     "no collective",
-    "rank threads on one CPU",
+    "rank threads on every CPU",
 )
 
 
 _RANK_THREADS = set()  # the native ids of the threads that run the ranks' steps
-_ONE_CPU = []  # the CPU the rank threads move to after the first epoch, if any
 
 
 def _switches():
@@ -111,8 +110,6 @@ def _epochs(rank, loader, epochs, all_reduce):
     times = []
     for epoch in range(epochs):
         xm.wait_device_ops()
-        if epoch == 1 and _ONE_CPU:
-            os.sched_setaffinity(0, _ONE_CPU)  # on Linux: this thread only
         _EPOCH_EDGE.wait()
         start = clocks()
         for inputs, labels in tpunb.shard(loader):
@@ -246,8 +243,10 @@ def run_variant(variant, epochs):
     }.get(variant)
     if patch:
         patch()  # before the launch forks: the ranks' process inherits it
-    if variant == "rank threads on one CPU":
-        _ONE_CPU.append(min(os.sched_getaffinity(0)))
+    if variant == "rank threads on every CPU":
+        from tpunb.simulation import rank_cpu
+
+        rank_cpu.CONFINED_ON = 0  # no process has 0 CPUs
     loader = DataLoader(DATASET, batch_size=BATCH, drop_last=True)
     all_reduce = variant != "no collective"
     return tpunb.launch(_epochs, loader, epochs, all_reduce, live=False)[0][1:]

@@ -7,6 +7,7 @@
     process_groups.py  torch.distributed's default process group, one per core
     random_state.py  torch's random generator for each core's setup
     rank_threads.py  what happens as a process's rank threads start and end
+    rank_cpu.py     a process's rank threads on one CPU, on a machine of two
     spawned.py      the simulation in the children of the spawn start method
     lightning.py    PyTorch Lightning's TPU accelerator opened to the simulated cores
 
@@ -68,6 +69,7 @@ def simulate(cores=8, instead_of_tpu=False):
         point_to_point,
         process_groups,
         random_state,
+        rank_cpu,
         rank_threads,
         spawned,
     )
@@ -78,6 +80,7 @@ def simulate(cores=8, instead_of_tpu=False):
     process_groups.install()
     random_state.install()
     rank_threads.install()
+    rank_cpu.install()
     spawned.install(count, instead_of_tpu)
     shared_process.install()  # also for plain xmp.spawn and Lightning's launcher
     lightning.install(count)

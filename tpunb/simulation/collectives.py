@@ -58,7 +58,7 @@ import torch_xla.torch_xla as torch_xla_module
 
 from tpunb import cores
 from tpunb.errors import RankEnded, TpunbError
-from tpunb.simulation import random_state
+from tpunb.simulation import random_state, rank_cpu
 
 # The primitives every Python collective (xm.*, torch.distributed's XLA backend,
 # torch_xla.core.functions, SyncBatchNorm) reaches, with xm.all_reduce, whose default path
@@ -148,6 +148,7 @@ def _counting_steps(sync):
         if cores.in_rank():
             random_state.done_drawing()
             _round().steps[xr.global_ordinal()] += 1
+            rank_cpu.after_sync()
         return result
 
     return sync_ending_a_step
