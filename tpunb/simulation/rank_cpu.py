@@ -13,8 +13,9 @@ docs/simulation.md, "The rank threads on one CPU". With more CPUs, where it is u
 nothing changes.
 
 What a confined rank thread starts inherits its CPU: threads, which is what Python's are for
-here, and processes, which get the process's CPUs back as they fork (a ``DataLoader``'s
-workers, a rank's own ``multiprocessing``).
+here, and processes. Those it forks get the process's CPUs back as they start (a
+``DataLoader``'s workers, a rank's own ``multiprocessing``); those started with exec
+(``subprocess``, the spawn start method) keep the one CPU.
 """
 
 import os
