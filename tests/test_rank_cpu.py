@@ -86,6 +86,28 @@ def test_the_rank_threads_share_one_cpu_and_what_they_fork_gets_both_back(cores8
     assert all(cpus == TWO_CPUS for cpus in others), others
 
 
+def _evaluation(rank):
+    import torch
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+
+    model = torch.nn.Linear(4, 1).to(torch_xla.device())
+    with torch.no_grad():
+        sums = []
+        for _ in range(3):
+            sums.append(model(torch.ones(2, 4, device=torch_xla.device())).sum())
+            torch_xla.sync()
+        xm.wait_device_ops()
+        torch_xla.sync()
+    return sorted(os.sched_getaffinity(0))
+
+
+def test_ranks_that_only_evaluate_under_no_grad_move_too(cores8):
+    with _on_two_cpus():
+        results = tpunb.launch(_evaluation, live=False)
+    assert results == [TWO_CPUS[:1]] * 8
+
+
 def test_a_process_of_one_rank_keeps_both_cpus(cores8):
     with _on_two_cpus():
         results = tpunb.launch(_placements, cores=1, live=False)

@@ -23,8 +23,15 @@ import threading
 
 # The CPUs a process may use for its rank threads to be moved to one of them: measured on 2.
 CONFINED_ON = 2
-_thread = threading.local()  # in a rank thread, once placed: the CPUs it had before
+# In a rank thread: whether it was placed yet and, if it moved, the CPUs it had before.
+_thread = threading.local()
 _fork_hook = []  # registered once a process (simulate may run again)
+
+
+def rank_started():
+    """Called first in a rank thread (not in the threads it or torch_xla start, which may
+    sync too: autograd's, where DDP's hooks run)."""
+    _thread.placed = False
 
 
 def after_sync():
@@ -32,7 +39,7 @@ def after_sync():
     after the process's first execution. Threads inherit the CPUs of the thread that starts
     them: by then torch_xla's execution threads have started on every CPU, and autograd's
     are started before the thread moves."""
-    if getattr(_thread, "placed", False):
+    if getattr(_thread, "placed", True):
         return
     import torch_xla.debug.metrics as met
 
@@ -55,7 +62,9 @@ def _start_autograds_threads():
     of a CPU number here starts them on every CPU first (and does nothing once they run)."""
     import torch
 
-    (torch.ones((), requires_grad=True) * 1).backward()
+    # The sync may run under no_grad or inference_mode (an evaluation, dynamo's extraction).
+    with torch.inference_mode(False), torch.enable_grad():
+        (torch.ones((), requires_grad=True) * 1).backward()
 
 
 def install():

@@ -14,7 +14,7 @@ ended first, as if it had been the only one.
 import functools
 
 from tpunb.errors import RankEnded
-from tpunb.simulation import collectives, random_state
+from tpunb.simulation import collectives, random_state, rank_cpu
 
 
 def install():
@@ -30,6 +30,7 @@ def _telling_the_collectives(run_threads):
     def run_thread_per_device(local_rank, local_world_size, fn, initializer_fn):
         @functools.wraps(fn)
         def rank():
+            rank_cpu.rank_started()
             try:
                 result = fn()
             except BaseException as error:
