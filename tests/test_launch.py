@@ -11,6 +11,8 @@ import torch
 from conftest import launch_leftovers, run_python
 
 import tpunb
+from tpunb.launcher.failures import raised_error
+from tpunb.launcher.messages import Raised
 
 
 def _identity(rank, tag, *, scale=1):
@@ -99,6 +101,21 @@ def test_an_exception_in_rank_3_names_it_with_its_traceback(cores8, no_children_
     assert "Traceback from rank 3" in str(error)
     assert 'raise ValueError("bad batch on rank 3")' in error.remote_traceback
     assert "_fails_on_rank_3" in error.remote_traceback
+
+
+def test_ranks_stopped_by_the_failing_ranks_end_are_not_reported_as_failing():
+    # How many of them reach the notebook before the launch is stopped is a race: in CI,
+    # rank 2's RankEnded once arrived with rank 3's error, which then read (2, 3).
+    failures = {
+        3: Raised(3, "raised ValueError: bad batch on rank 3", "Traceback ...\n"),
+        2: Raised(2, "raised RankEnded: rank 3 ended", "Traceback ...\n", consequence=True),
+    }
+    error = raised_error(failures)
+    assert error.ranks == (3,)
+    assert str(error).startswith("rank 3 raised ValueError") and "failed too" not in str(error)
+    # Only ranks stopped by another's end: the report still names one.
+    alone = raised_error({2: failures[2], 5: failures[2]._replace(rank=5)})
+    assert alone.ranks == (2, 5)
 
 
 def _dies_on_rank_5(rank, how):

@@ -66,18 +66,21 @@ def unsendable(result, error):
 
 
 def raised_error(failures):
-    """``failures``: rank -> messages.Raised. Reports the lowest rank, preferring one that
-    was not stopped by another rank's end."""
-    causes = [rank for rank, failure in failures.items() if not failure.consequence]
-    first = min(causes or failures)
+    """``failures``: rank -> messages.Raised. Reports the lowest failing rank. A rank that
+    another rank's end stopped (simulated cores) did not fail: it is named only when no
+    rank failed otherwise. How many of those reach the notebook before the launch is
+    stopped is a race, so they would make the report differ from run to run."""
+    causes = sorted(rank for rank, failure in failures.items() if not failure.consequence)
+    failing = causes or sorted(failures)
+    first = failing[0]
     failure = failures[first]
-    others = sorted(set(failures) - {first})
+    others = failing[1:]
     message = f"rank {first} {failure.description}"
     if others:
         message += f"\n({'rank' if len(others) == 1 else 'ranks'} {span(others)} failed too)"
     if failure.traceback:
         message += f"\n\nTraceback from rank {first}:\n{failure.traceback.rstrip()}"
-    return RankError(message, ranks=sorted(failures), remote_traceback=failure.traceback)
+    return RankError(message, ranks=failing, remote_traceback=failure.traceback)
 
 
 def lost_error(missing, exits, rank_pids, simulated, launcher_error):
