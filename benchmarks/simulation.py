@@ -100,7 +100,10 @@ def simulated(epochs, batch):
 
 
 def _xla_cpu_devices(count):
+    from tpunb.simulation import set_compile_level
+
     os.environ.update(PJRT_DEVICE="CPU", CPU_NUM_DEVICES=str(count))
+    set_compile_level(os.environ)  # compiled as the simulated cores' graphs are
     import torch_xla
 
     return [torch_xla.device(index) for index in range(count)]

@@ -3,6 +3,7 @@ from conftest import run_python
 
 import tpunb
 from tpunb.launcher.shared_process import PRIMED_OPS
+from tpunb.simulation import COMPILE_LEVEL
 
 
 @pytest.mark.parametrize("cores", [0, -8, "8", 2.0, True])
@@ -156,3 +157,35 @@ def test_torch_xla_imported_before_simulate_still_gets_working_collectives():
         """
     )
     assert result.stdout.strip() == str([8.0] * 8), result.stderr
+
+
+def _compiled_graph(rank):
+    import torch
+    import torch_xla
+
+    return (torch.ones(3, device=torch_xla.device()) * (rank + 1)).tolist()
+
+
+def _compile_levels(dump):
+    """The level each graph compiled at, from the options XLA dumps with it (only those
+    that differ from XLA's defaults: level 3 is the default)."""
+    levels = set()
+    for options in dump.glob("*.debug_options"):
+        lines = options.read_text().splitlines()
+        found = [line.split(": ")[1] for line in lines if "backend_optimization_level" in line]
+        levels.add(int(found[0]) if found else 3)
+    return levels
+
+
+@pytest.mark.parametrize("own_level", [None, 2])
+def test_simulated_cores_compile_at_the_quick_level_unless_xla_flags_set_one(
+    cores8, tmp_path, monkeypatch, own_level
+):
+    flags = f"--xla_dump_to={tmp_path}"
+    if own_level is not None:
+        flags += f" --xla_backend_optimization_level={own_level}"
+    monkeypatch.setenv("XLA_FLAGS", flags)
+    tpunb.simulate(cores=8)  # XLA reads the flags as the ranks start its runtime
+    assert tpunb.launch(_compiled_graph, live=False) == [[r + 1.0] * 3 for r in range(8)]
+    expected = COMPILE_LEVEL if own_level is None else own_level
+    assert _compile_levels(tmp_path) == {expected}
