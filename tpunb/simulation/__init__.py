@@ -22,7 +22,8 @@ from tpunb.environment import env
 from tpunb.errors import TpunbError, check_count
 
 # XLA's CPU compiler level for the simulated cores' graphs (XLA's default is 3). Level 1
-# compiles 12-22% faster with the same steps (docs/simulation.md, "Compiling").
+# compiles in about 0.77 of the time, later steps as fast on 2 CPUs (docs/simulation.md,
+# "Compiling"; benchmarks/compile_level.py).
 COMPILE_LEVEL = 1
 _COMPILE_LEVEL_FLAG = "--xla_backend_optimization_level"
 
