@@ -193,3 +193,48 @@ def test_simulated_cores_compile_at_the_quick_level_unless_xla_flags_set_one(
     assert tpunb.launch(_compiled_graph, live=False) == [[r + 1.0] * 3 for r in range(8)]
     expected = COMPILE_LEVEL if own_level is None else own_level
     assert _compile_levels(tmp_path) == {expected}
+
+
+# Rank 0 frees a block of 28 MiB and allocates it again: the page faults of touching it
+# the second time. Memory malloc kept costs none; memory given back costs one a page.
+_REFAULTS = """
+    import ctypes, resource
+    import tpunb
+    tpunb.simulate(cores=8)
+
+    def refaults(rank):
+        import torch_xla
+
+        torch_xla.sync()
+        if rank:
+            return None
+        libc = ctypes.CDLL(None)
+        libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, (ctypes.c_size_t,)
+        libc.free.argtypes = (ctypes.c_void_p,)
+        size = 28 * 2**20
+        block = libc.malloc(size)
+        ctypes.memset(block, 1, size)
+        libc.free(block)
+        block = libc.malloc(size)
+        before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+        ctypes.memset(block, 1, size)
+        faults = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - before
+        libc.free(block)
+        return faults
+
+    print(tpunb.launch(refaults, live=False)[0])
+"""
+
+
+@pytest.mark.parametrize("own_setting", [False, True])
+def test_a_simulated_process_keeps_the_memory_its_steps_free(monkeypatch, own_setting):
+    if own_setting:  # a user's own malloc setting is kept (glibc reads it as Python starts)
+        monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", str(128 * 2**10))
+    result = run_python(_REFAULTS)
+    pages = 28 * 2**20 // os.sysconf("SC_PAGE_SIZE")
+    faults = int(result.stdout.strip() or -1)
+    assert 0 <= faults, result.stderr
+    if own_setting:
+        assert faults >= pages * 0.9
+    else:
+        assert faults <= pages * 0.1
