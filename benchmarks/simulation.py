@@ -100,11 +100,10 @@ def simulated(epochs, batch):
 
 
 def _xla_cpu_devices(count):
-    from tpunb.simulation import freed_memory, set_compile_level
+    from tpunb.simulation import set_compile_level
 
     os.environ.update(PJRT_DEVICE="CPU", CPU_NUM_DEVICES=str(count))
     set_compile_level(os.environ)  # compiled as the simulated cores' graphs are
-    freed_memory.keep()  # and their process's malloc as theirs
     import torch_xla
 
     return [torch_xla.device(index) for index in range(count)]

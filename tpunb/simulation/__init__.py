@@ -8,7 +8,6 @@
     random_state.py  torch's random generator for each core's setup
     rank_threads.py  what happens as a process's rank threads start and end
     rank_cpu.py     a process's rank threads on one CPU, on a machine of two
-    freed_memory.py a simulated process keeps the host memory its steps free
     spawned.py      the simulation in the children of the spawn start method
     lightning.py    PyTorch Lightning's TPU accelerator opened to the simulated cores
 

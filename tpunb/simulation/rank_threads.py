@@ -3,8 +3,7 @@ start and as each one ends.
 
 Used only under ``tpunb.simulate``. torch_xla runs the ranks of a process as threads
 (``_run_thread_per_device`` in ``torch_xla/_internal/pjrt.py``; on the simulation all of
-them). As they start, the collectives' meeting place is made new for them and the process's
-malloc keeps what their steps free (freed_memory.py). As a rank ends,
+them). As they start, the collectives' meeting place is made new for them. As a rank ends,
 returning or raising, it gives back torch's random generator (random_state.py) and says
 so to the collectives: the ranks waiting for it at a collective stop at once with
 ``RankEnded``, naming it, and the ranks that call one later stop as they call it. On a TPU
@@ -15,7 +14,7 @@ ended first, as if it had been the only one.
 import functools
 
 from tpunb.errors import RankEnded
-from tpunb.simulation import collectives, freed_memory, random_state, rank_cpu
+from tpunb.simulation import collectives, random_state, rank_cpu
 
 
 def install():
@@ -43,7 +42,6 @@ def _telling_the_collectives(run_threads):
             return result
 
         collectives.new_meeting_place()
-        freed_memory.keep()
         try:
             return run_threads(local_rank, local_world_size, rank, initializer_fn)
         except RankEnded as stopped:
