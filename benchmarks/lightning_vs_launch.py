@@ -13,8 +13,11 @@ switches of that process's threads in it (a count: what a side makes threads wai
 wake for), and the whole call (fork, setup, teardown included). Sides alternate so drift
 on the machine hits all alike; figures are medians over the repeats, and
 "tpunb.lightning / lightning" is the median of each repeat's own ratio (the two ran one
-after the other).
-Run: python benchmarks/lightning_vs_launch.py [--repeats N]
+after the other), with its mean and the 95% interval of that mean: on a 2-CPU machine
+one pair's ratio spreads by about 0.07, so telling 1.02 from 1.04 takes 20 pairs or more.
+With --fresh each run is a new Python process (nothing of one run is left in the next's
+parent, at about 5 s of start-up a run).
+Run: python benchmarks/lightning_vs_launch.py [--repeats N] [--fresh]
 """
 
 import argparse
@@ -24,6 +27,7 @@ import os
 import pathlib
 import resource
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -118,23 +122,64 @@ def run_lightning(loader, watched):
         return json.loads(pathlib.Path(module.record).read_text())
 
 
+SIDES = ("launch", "lightning", "tpunb.lightning")
+RESULT = "RESULT "  # with --one: the line that carries the run's figures, as JSON
+
+
+def run_side(name):
+    """One run of side ``name`` in this process (simulated cores already set up): its
+    epochs after the first (which compiles) and the whole call's seconds."""
+    loader = DataLoader(DATASET, batch_size=BATCH)
+    start = time.perf_counter()
+    if name == "launch":
+        epochs = run_launch(loader)
+    else:
+        epochs = run_lightning(loader, watched=name == "tpunb.lightning")
+    return epochs[1:], time.perf_counter() - start
+
+
+def run_side_in_new_process(name):
+    """``run_side`` in a new Python process: no run's leftovers (the parent's memory, its
+    threads) reach the next one."""
+    done = subprocess.run([sys.executable, __file__, "--one", name], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"the {name} run exited with {done.returncode}:\n{done.stderr[-3000:]}")
+    line = next(line for line in done.stdout.splitlines() if line.startswith(RESULT))
+    return json.loads(line[len(RESULT) :])
+
+
+def _interval(ratios):
+    """The mean of ``ratios`` and its 95% interval (two standard errors)."""
+    mean = statistics.mean(ratios)
+    if len(ratios) < 2:
+        return f"mean {mean:.3f}"
+    half = 2 * statistics.stdev(ratios) / len(ratios) ** 0.5
+    return f"mean {mean:.3f}, 95% interval {mean - half:.3f}-{mean + half:.3f}"
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=3)
-    repeats = parser.parse_args().repeats
-    tpunb.simulate(cores=8)
-    loader = DataLoader(DATASET, batch_size=BATCH)
-    sides = {
-        "launch": lambda: run_launch(loader),
-        "lightning": lambda: run_lightning(loader, watched=False),
-        "tpunb.lightning": lambda: run_lightning(loader, watched=True),
-    }
-    epoch, cpu, switches, total = ({name: [] for name in sides} for _ in range(4))
+    parser.add_argument(
+        "--fresh", action="store_true", help="each run in a new Python process (slower to start)"
+    )
+    parser.add_argument("--one", choices=SIDES, help=argparse.SUPPRESS)  # a --fresh run
+    arguments = parser.parse_args()
+    if arguments.one:
+        tpunb.simulate(cores=8)
+        print(RESULT + json.dumps(run_side(arguments.one)), flush=True)
+        return
+    if arguments.fresh:
+        run = run_side_in_new_process
+    else:
+        tpunb.simulate(cores=8)
+        run = run_side
+    repeats = arguments.repeats
+    epoch, cpu, switches, total = ({name: [] for name in SIDES} for _ in range(4))
     for _ in range(repeats):
-        for name, run in sides.items():
-            start = time.perf_counter()
-            epochs = run()[1:]  # the first compiles
-            total[name].append(time.perf_counter() - start)
+        for name in SIDES:
+            epochs, seconds = run(name)
+            total[name].append(seconds)
             epoch[name].append(statistics.median(wall for wall, _, _ in epochs))
             cpu[name].append(statistics.median(seconds for _, seconds, _ in epochs))
             switches[name].append(statistics.median(count for _, _, count in epochs))
@@ -147,15 +192,16 @@ def main():
             ("total", total),
         )
     }
+    where = "each run in a new process" if arguments.fresh else "one process"
     print(
         f"\n8 simulated cores, {len(DATASET)} samples, per-core batch {BATCH}, {EPOCHS} epochs, "
-        f"{len(os.sched_getaffinity(0))} CPU(s), {repeats} repeats"
+        f"{len(os.sched_getaffinity(0))} CPU(s), {repeats} repeats, {where}"
     )
     print(
         f"{'side':<16} {'s/epoch':>8} {'ratio':>6} {'CPU s/epoch':>12} {'ratio':>6} "
         f"{'switches/epoch':>15} {'ratio':>6} {'whole call s':>13} {'ratio':>6}"
     )
-    for name in sides:
+    for name in SIDES:
         e, c, s, t = (statistics.median(values[name]) for values in (epoch, cpu, switches, total))
         print(
             f"{name:<16} {e:8.3f} {e / base['epoch']:6.2f} {c:12.2f} {c / base['cpu']:6.2f} "
@@ -166,8 +212,8 @@ def main():
             w / p for w, p in zip(values["tpunb.lightning"], values["lightning"], strict=True)
         ]
         print(
-            f"tpunb.lightning / lightning, {figure}: median {statistics.median(ratios):.3f} "
-            f"(each repeat: {', '.join(f'{r:.3f}' for r in ratios)})"
+            f"tpunb.lightning / lightning, {figure}: median {statistics.median(ratios):.3f}, "
+            f"{_interval(ratios)} (each repeat: {', '.join(f'{r:.3f}' for r in ratios)})"
         )
 
 
