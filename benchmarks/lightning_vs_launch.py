@@ -178,8 +178,8 @@ def main():
     epoch, cpu, switches, total = ({name: [] for name in SIDES} for _ in range(4))
     for _ in range(repeats):
         for name in SIDES:
-            epochs, seconds = run(name)
-            total[name].append(seconds)
+            epochs, call_seconds = run(name)
+            total[name].append(call_seconds)
             epoch[name].append(statistics.median(wall for wall, _, _ in epochs))
             cpu[name].append(statistics.median(seconds for _, seconds, _ in epochs))
             switches[name].append(statistics.median(count for _, _, count in epochs))
