@@ -384,6 +384,39 @@ def test_the_same_graph_every_step_is_never_called_a_changed_graph(cores8):
     assert results.compiles.causes == []
 
 
+def _compile_time_around_new_shapes(rank, shapes):
+    """torch_xla's CompileTime (seconds) once every rank has started, and after every rank
+    has compiled ``shapes`` graphs of its own."""
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+    import torch_xla.debug.metrics as met
+
+    def compile_seconds():
+        data = met.metric_data("CompileTime")
+        return data[1] / 1e9 if data else 0.0
+
+    xm.rendezvous("started")
+    start = compile_seconds()
+    for length in range(1, shapes + 1):
+        (torch.ones(length, device=torch_xla.device()) * rank).sum()
+        torch_xla.sync()
+    xm.wait_device_ops()
+    xm.rendezvous("compiled")
+    return start, compile_seconds()
+
+
+def test_the_compile_time_summed_up_holds_all_of_torch_xlas(cores8):
+    results = tpunb.launch(_compile_time_around_new_shapes, 6, live=False)
+    start, end = min(r[0] for r in results), max(r[1] for r in results)
+    assert end > start  # the 6 new graphs took time to compile
+    # The steps' compile seconds hold at least what torch_xla timed while the graphs compiled.
+    assert results.compiles.compile_seconds >= end - start
+    per_step = results.history.compiles_per_step()
+    assert sum(seconds for _, _, seconds, _ in per_step) == pytest.approx(
+        results.compiles.compile_seconds
+    )
+
+
 def _result_read_after_the_last_sync(rank, steps):
     import torch_xla
 

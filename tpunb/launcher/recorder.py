@@ -272,7 +272,9 @@ class _CompileCounters:
         self._pid = os.getpid()
         self._last = None
         self._deferred = False  # the last read left its counts for a later one
-        self._last = self._read()
+        # CompileTime as last read: (samples, seconds, samples no UncachedCompile counted)
+        self._compile_time = None
+        self._last = self._read(every_time=True)
         self._last_ranks = self._ranks()
         self._steps_since = []  # where the ranks were at the reads since the last counted
 
@@ -300,7 +302,7 @@ class _CompileCounters:
         mine = [r for r in range(beat.ranks) if beat.pid(r) == self._pid]
         while not all(beat.returned(r) for r in mine):
             time.sleep(0.01)
-        compiles, cached, seconds, fallbacks, helper = self.since_last()
+        compiles, cached, seconds, fallbacks, helper = self.since_last(every_time=True)
         record.compiles += compiles
         record.helper_compiles += helper
         record.cached += cached
@@ -318,9 +320,8 @@ class _CompileCounters:
         closing = any(not beat.finished(r) for r in returned)
         return running, len(returned), closing
 
-    def _read(self):
+    def _read(self, every_time=False):
         met = self._met
-        compile_time = met.metric_data("CompileTime")
         with _excused_lock:
             self._deferred = bool(_excusing[0]) and self._last is not None
             if self._deferred:
@@ -337,13 +338,34 @@ class _CompileCounters:
         return (
             compiles,
             met.counter_value("CachedCompile") or 0,
-            compile_time[1] / 1e9 if compile_time else 0.0,
+            self._compile_seconds(None if self._deferred else compiles, every_time),
             fallbacks,
             helper_compiles,
         )
 
-    def since_last(self):
-        now = self._read()
+    def _compile_seconds(self, compiles, every_time):
+        """The process's compile seconds so far; ``compiles``: its UncachedCompile count
+        (None: not read now). torch_xla counts a compilation at its cache miss and posts its
+        CompileTime once it is done (``LookupCachedCompile``, then the client's ``Compile``,
+        in https://github.com/pytorch/xla/blob/v2.9.0/torch_xla/csrc/xla_graph_executor.cpp):
+        the metric, whose list of samples makes it a step's costliest read, is read again
+        only while a counted compilation has not posted its time, or ``every_time``."""
+        if not every_time and compiles is not None and self._compile_time is not None:
+            samples, seconds, uncounted = self._compile_time
+            if compiles + uncounted <= samples:
+                return seconds
+        data = self._met.metric_data("CompileTime")
+        samples, seconds = (data[0], data[1] / 1e9) if data else (0, 0.0)
+        uncounted = self._compile_time[2] if self._compile_time is not None else 0
+        if compiles is not None:  # samples beyond the count: compilations it does not count
+            uncounted = max(samples - compiles, uncounted)
+        self._compile_time = samples, seconds, uncounted
+        return seconds
+
+    def since_last(self, every_time=False):
+        """The counts since the last call (``every_time``: CompileTime read whatever the
+        count says, for the last step)."""
+        now = self._read(every_time)
         (compiles, cached, seconds, fallbacks, helper), before = now, self._last
         self._last = now
         new_fallbacks = {
