@@ -151,6 +151,7 @@ def test_the_live_callback_feeds_history_compile_watch_and_text_view(cores8, tmp
     assert [s.epoch_batch for s in training] == list(range(1, SAMPLES // CORES // BATCH + 1))
     assert all(s.epoch_batches == SAMPLES // CORES // BATCH for s in training)
     assert all(s.values["loss"] == pytest.approx(s.values["mse"]) for s in training)
+    assert all(s.shapes for s in training)  # each loss in the step of its batch, which computed it
     assert not any("val_mse" in s.values for s in history.steps[0])  # training metrics only
     # Lightning's setup, its second batch, its validation and its epoch ends compile:
     # none of that is the notebook's doing, so the watch counts it and warns about nothing.
@@ -194,6 +195,24 @@ def test_a_value_logged_for_the_progress_bar_is_recorded_without_a_read_of_its_o
     # callback did it again.
     reads = live.compiles.fallbacks.get("aten::_local_scalar_dense", 0)
     assert reads <= CORES * batches
+
+
+class GradientNormRegression(Regression):
+    def on_before_optimizer_step(self, optimizer):
+        self.log("gradient_norm", torch.linalg.vector_norm(self.network[0].weight.grad))
+
+
+def test_a_value_logged_after_the_training_step_joins_its_batchs_loss(cores8, tmp_path):
+    live = tpunb.lightning.LiveCallback()
+    trainer = tpunb.lightning.trainer(
+        max_epochs=1, callbacks=[live], live=False, **_quiet(tmp_path)
+    )
+    trainer.fit(GradientNormRegression(_network()), DataLoader(Indexed(), batch_size=BATCH))
+    for steps in live.history.steps.values():
+        with_loss = [s.step for s in steps if "loss" in s.values]
+        assert len(with_loss) == SAMPLES // CORES // BATCH
+        assert [s.step for s in steps if "gradient_norm" in s.values] == with_loss
+        assert all(s.values["gradient_norm"] > 0 for s in steps if "gradient_norm" in s.values)
 
 
 def test_fit_again_needs_a_new_trainer_and_continues_from_the_trained_weights(
