@@ -7,6 +7,9 @@ py-spy's raw samples of GIL-holding threads, keeps those in Lightning's training
 gives each sample to the innermost frame outside Python's standard library: tpunb's
 launcher and LiveCallback code (torch_xla's metric reads it calls count as its), and
 Lightning's callback dispatch (``_call_callback_hooks``, which runs once a hook a batch).
+A share is where the GIL was held, not what caused it: C++ work that tpunb's held tensors
+add to torch_xla's sync shows under the sync. Check a share by taking its code away in an
+interleaved run (docs/simulation.md, "The py-spy shares misled").
 
 Record (py-spy is not a dependency: pip install py-spy), then read:
     py-spy record --gil --subprocesses --rate 500 --format raw -o tpunb.txt -- \
