@@ -33,9 +33,11 @@ def _model():
 
 def _masked_mean_model_step(rank, model, loader, item_in_step=False):
     """Trains a per-position linear model whose loss ignores padding: the same losses
-    whatever the batches are padded to."""
+    whatever the batches are padded to. Returns the rank's process and the graphs in the
+    process's compilation cache as the rank ends."""
     import torch_xla
     import torch_xla.core.xla_model as xm
+    import torch_xla.runtime as xr
 
     device = torch_xla.device()
     model = copy.deepcopy(model).to(device)
@@ -51,7 +53,7 @@ def _masked_mean_model_step(rank, model, loader, item_in_step=False):
         tpunb.log(loss=loss)
         if item_in_step:
             loss.item()
-    return rank
+    return os.getpid(), xr.get_num_cached_compilation_graph()
 
 
 def _train(collate, item_in_step=False):
@@ -61,6 +63,15 @@ def _train(collate, item_in_step=False):
         results = tpunb.launch(_masked_mean_model_step, _model(), loader, item_in_step)
     messages = [str(w.message) for w in caught if issubclass(w.category, tpunb.TpunbWarning)]
     return results, messages
+
+
+def _distinct_graphs(results):
+    """The graphs the launch compiled, each counted once: its processes' compilation
+    caches, as their last rank ended."""
+    graphs = {}
+    for pid, cached in results:
+        graphs[pid] = max(cached, graphs.get(pid, 0))
+    return sum(graphs.values())
 
 
 def _losses(history):
@@ -102,10 +113,15 @@ def test_four_buckets_compile_at_most_four_step_graphs_after_the_warm_up(naive_a
     compiles = bucketed.compiles
     assert len({shape[0][1] for shape in compiles.shapes}) <= 4
     assert compiles.compiles_after_warmup <= 4
-    # Each batch shape the buckets remove is a compilation saved.
+    # Each batch shape the buckets remove is a graph less to compile. Counted as graphs,
+    # not compilations: ranks that are threads of one process and meet a new graph at the
+    # same time (as they leave a collective together) each miss torch_xla's cache and
+    # compile it, so the compilations vary from run to run (8 to 10 for one shape, 3
+    # graphs; 26 to 29 without buckets here, 22 graphs).
     removed_shapes = len(naive.compiles.shapes) - len(compiles.shapes)
     assert removed_shapes >= 16
-    assert naive.compiles.compiles - compiles.compiles >= removed_shapes
+    assert _distinct_graphs(naive) - _distinct_graphs(bucketed) >= removed_shapes
+    assert naive.compiles.compiles >= _distinct_graphs(naive)
     assert len([m for m in messages if "not seen before" in m]) <= 1
 
 
