@@ -125,6 +125,20 @@ def test_four_buckets_compile_at_most_four_step_graphs_after_the_warm_up(naive_a
     assert len([m for m in messages if "not seen before" in m]) <= 1
 
 
+def test_ranks_that_meet_a_new_graph_together_compile_it_once():
+    saved = dict(os.environ)
+    try:
+        tpunb.simulate(cores=8)
+        # One shape: every rank makes the same graphs, in the same steps, and leaves each
+        # all-reduce together with the next one to compile.
+        results, _ = _train(tpunb.BucketCollate([LENGTHS.stop]))
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    assert len(results.compiles.shapes) == 1
+    assert results.compiles.compiles == _distinct_graphs(results) == 3
+
+
 def _reference_losses(collate, steps):
     """Each rank's loss a step, trained on one CPU device: per-rank gradients averaged, as
     xm.optimizer_step's all-reduce does."""

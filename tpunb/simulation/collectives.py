@@ -40,8 +40,11 @@ the measurements):
 Plus the synchronous PJRT CPU client (``PJRT_CPU_ASYNC_CLIENT=false``, set by
 ``simulate``): with the asynchronous one, Adam's step still deadlocked in buffer release.
 
-Syncs of graphs without a collective take neither lock nor barrier, so work done by one
-rank alone (printing, evaluation on rank 0) behaves as upstream.
+Syncs of graphs without a collective take no barrier, so work done by one rank alone
+(printing, evaluation on rank 0) behaves as upstream. While the process compiles, they
+take the dispatch lock (``_one_compile_a_graph``): after a collective the ranks leave
+together, and each would compile the same new graph of the work after it (7 compilations
+too many in a launch's first steps). Once nothing compiles, they dispatch side by side.
 """
 
 import functools
@@ -83,8 +86,9 @@ class CollectiveMismatch(TpunbError):
     """Ranks called different collectives at the same point, so they can never meet."""
 
 
-_calls = threading.local()  # per thread: is a collective call under way?
+_calls = threading.local()  # per thread: a collective call under way? compiles at its sync
 _dispatch_lock = threading.Lock()
+_step_marker = [None]  # torch_xla's own, for the collectives' dispatches (under the lock)
 _rounds = {}
 _rounds_lock = threading.Lock()
 
@@ -136,6 +140,8 @@ def install():
     for name in COLLECTIVE_PRIMITIVES:
         setattr(torch_xla._XLAC, name, _own_graph(getattr(torch_xla._XLAC, name)))
     xm.all_reduce = _own_graph(xm.all_reduce)
+    _step_marker[0] = torch_xla._XLAC._xla_step_marker
+    torch_xla._XLAC._xla_step_marker = _one_compile_a_graph(_step_marker[0])
     torch_xla.sync = torch_xla_module.sync = _counting_steps(torch_xla_module.sync)
 
 
@@ -152,6 +158,30 @@ def _counting_steps(sync):
         return result
 
     return sync_ending_a_step
+
+
+def _one_compile_a_graph(step_marker):
+    """The step marker of the ranks' syncs, dispatching under the dispatch lock while the
+    process compiles (it compiled since this rank's last sync). torch_xla looks a graph up,
+    compiles it on a miss, then adds it to the cache (``LookupCachedCompile`` in
+    https://github.com/pytorch/xla/blob/v2.9.0/torch_xla/csrc/xla_graph_executor.cpp): ranks
+    that leave a collective together and sync the same new graph would each compile it.
+    Once the graphs are compiled, the ranks dispatch side by side."""
+
+    @functools.wraps(step_marker)
+    def step_marker_one_compile_a_graph(*args, **kwargs):
+        if _compiles() == getattr(_calls, "compiles_at_sync", -1):
+            return step_marker(*args, **kwargs)
+        with _dispatch_lock:
+            result = step_marker(*args, **kwargs)
+        _calls.compiles_at_sync = _compiles()
+        return result
+
+    return step_marker_one_compile_a_graph
+
+
+def _compiles():
+    return torch_xla._XLAC._xla_counter_value("UncachedCompile")
 
 
 def _own_graph(collective):
@@ -179,9 +209,7 @@ def _own_graph(collective):
 def _run_pending_work():
     """Runs what this rank has traced so far, before a collective (point 1 above)."""
     with _dispatch_lock:
-        torch_xla._XLAC._xla_step_marker(
-            torch_xla._XLAC._xla_get_default_device(), [], wait=False, reset_scope=True
-        )
+        _step_marker[0](torch_xla._XLAC._xla_get_default_device(), [], wait=False, reset_scope=True)
 
 
 def _run_together(call):
@@ -195,7 +223,7 @@ def _run_together(call):
     _wait_for_every_rank(meeting, rank)  # every rank has described its call
     _check_same_call(meeting)
     with _dispatch_lock:
-        torch_xla._XLAC._xla_step_marker(device, [], wait=False, reset_scope=True)
+        _step_marker[0](device, [], wait=False, reset_scope=True)
     _wait_for_every_rank(meeting, rank)
     torch_xla._XLAC._set_all_reduce_token(device, None)
 
