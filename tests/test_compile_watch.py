@@ -415,8 +415,8 @@ def test_the_same_graph_every_step_is_never_called_a_changed_graph(cores8):
 
 
 def _compile_time_around_new_shapes(rank, shapes):
-    """torch_xla's CompileTime (seconds) once every rank has started, and after every rank
-    has compiled ``shapes`` graphs of its own."""
+    """torch_xla's CompileTime (seconds) once every rank has started, and after the ranks
+    have compiled a graph for each of ``shapes`` shapes."""
     import torch_xla
     import torch_xla.core.xla_model as xm
     import torch_xla.debug.metrics as met
@@ -427,8 +427,9 @@ def _compile_time_around_new_shapes(rank, shapes):
 
     xm.rendezvous("started")
     start = compile_seconds()
+    kept = []  # live at the sync, so each is computed: a graph a shape
     for length in range(1, shapes + 1):
-        (torch.ones(length, device=torch_xla.device()) * rank).sum()
+        kept.append((torch.ones(length, device=torch_xla.device()) * rank).sum())
         torch_xla.sync()
     xm.wait_device_ops()
     xm.rendezvous("compiled")
