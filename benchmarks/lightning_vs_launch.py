@@ -3,8 +3,13 @@
 The same training (the shared workload, SGD, the same per-core batch, 5 epochs) three ways:
 
 - launch: tpunb.launch with tpunb.shard (the baseline);
-- lightning: a plain lightning.Trainer(accelerator="tpu", devices=8);
-- tpunb.lightning: tpunb.lightning.trainer(...) (Lightning watched by tpunb, live="text").
+- lightning: a plain lightning.Trainer(accelerator="tpu", devices=8), no progress bar, the
+  loss never read;
+- tpunb.lightning: tpunb.lightning.trainer(...) (Lightning watched by tpunb, live="text":
+  every step's loss read back for the history and the view);
+- lightning, bar: the plain trainer showing the loss the way Lightning does, the module
+  logging it with self.log("loss", loss, prog_bar=True) and the progress bar on (what
+  tpunb.lightning's view stands in for).
 
 Printed as ratios to the baseline: seconds an epoch after the first (timed in rank 0,
 compilation done), the CPU seconds the ranks' process used in it (every rank's thread and
@@ -12,8 +17,9 @@ XLA's: what a side adds, with less of the machine's noise than wall time), the c
 switches of that process's threads in it (a count: what a side makes threads wait and
 wake for), and the whole call (fork, setup, teardown included). Sides alternate so drift
 on the machine hits all alike; figures are medians over the repeats, and
-"tpunb.lightning / lightning" is the median of each repeat's own ratio (the two ran one
-after the other), with its mean and the 95% interval of that mean: on a 2-CPU machine
+"tpunb.lightning / lightning" (the target: at most 1.02) is the median of each repeat's
+own ratio (the runs of a repeat ran one after the other), with its mean and the 95%
+interval of that mean, and so is "tpunb.lightning / lightning, bar": on a 2-CPU machine
 one pair's ratio spreads by about 0.07, so telling 1.02 from 1.04 takes 20 pairs or more.
 With --fresh each run is a new Python process (nothing of one run is left in the next's
 parent, at about 5 s of start-up a run).
@@ -21,13 +27,13 @@ Run: python benchmarks/lightning_vs_launch.py [--repeats N] [--fresh]
 """
 
 import argparse
+import contextlib
 import copy
 import json
 import os
 import pathlib
 import resource
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -37,7 +43,16 @@ import torch
 from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from workload import BATCH, DATASET, MODEL, clocks, since  # noqa: E402
+from workload import (  # noqa: E402
+    BATCH,
+    DATASET,
+    MODEL,
+    RESULT,
+    clocks,
+    interval,
+    run_in_new_process,
+    since,
+)
 
 import tpunb  # noqa: E402
 import tpunb.lightning  # noqa: E402
@@ -78,15 +93,19 @@ class Classifier(lightning.LightningModule):
     """The same model and step; records rank 0's epoch times (Lightning pickles the module
     into the ranks, so it lives at module level)."""
 
-    def __init__(self, record):
+    def __init__(self, record, show_loss=False):
         super().__init__()
         self.model = copy.deepcopy(MODEL)
         self.record = record
+        self.show_loss = show_loss  # in Lightning's progress bar
         self.epochs, self.start = [], None
 
     def training_step(self, batch, batch_index):
         x, y = batch
-        return torch.nn.functional.cross_entropy(self.model(x), y)
+        loss = torch.nn.functional.cross_entropy(self.model(x), y)
+        if self.show_loss:
+            self.log("loss", loss, prog_bar=True)
+        return loss
 
     def on_train_epoch_start(self):
         self.start = _clocks()
@@ -103,27 +122,31 @@ class Classifier(lightning.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.05)
 
 
-def run_lightning(loader, watched):
+def run_lightning(loader, watched, bar=False):
     with tempfile.TemporaryDirectory() as root:
-        module = Classifier(record=f"{root}/epochs.txt")
+        module = Classifier(record=f"{root}/epochs.txt", show_loss=bar)
         arguments = dict(
             max_epochs=EPOCHS,
             logger=False,
             enable_checkpointing=False,
             enable_model_summary=False,
-            enable_progress_bar=False,
+            enable_progress_bar=bar,
             default_root_dir=root,
         )
         if watched:
             trainer = tpunb.lightning.trainer(live="text", **arguments)
         else:
             trainer = lightning.Trainer(accelerator="tpu", devices=8, **arguments)
-        trainer.fit(module, loader)
+        with contextlib.ExitStack() as quiet:
+            if bar:  # drawn in the ranks' process, forked with these streams: not printed
+                nowhere = quiet.enter_context(open(os.devnull, "w"))
+                quiet.enter_context(contextlib.redirect_stdout(nowhere))
+                quiet.enter_context(contextlib.redirect_stderr(nowhere))
+            trainer.fit(module, loader)
         return json.loads(pathlib.Path(module.record).read_text())
 
 
-SIDES = ("launch", "lightning", "tpunb.lightning")
-RESULT = "RESULT "  # with --one: the line that carries the run's figures, as JSON
+SIDES = ("launch", "lightning", "tpunb.lightning", "lightning, bar")
 
 
 def run_side(name):
@@ -134,27 +157,16 @@ def run_side(name):
     if name == "launch":
         epochs = run_launch(loader)
     else:
-        epochs = run_lightning(loader, watched=name == "tpunb.lightning")
+        epochs = run_lightning(
+            loader, watched=name == "tpunb.lightning", bar=name == "lightning, bar"
+        )
     return epochs[1:], time.perf_counter() - start
 
 
 def run_side_in_new_process(name):
     """``run_side`` in a new Python process: no run's leftovers (the parent's memory, its
     threads) reach the next one."""
-    done = subprocess.run([sys.executable, __file__, "--one", name], capture_output=True, text=True)
-    if done.returncode != 0:
-        raise RuntimeError(f"the {name} run exited with {done.returncode}:\n{done.stderr[-3000:]}")
-    line = next(line for line in done.stdout.splitlines() if line.startswith(RESULT))
-    return json.loads(line[len(RESULT) :])
-
-
-def _interval(ratios):
-    """The mean of ``ratios`` and its 95% interval (two standard errors)."""
-    mean = statistics.mean(ratios)
-    if len(ratios) < 2:
-        return f"mean {mean:.3f}"
-    half = 2 * statistics.stdev(ratios) / len(ratios) ** 0.5
-    return f"mean {mean:.3f}, 95% interval {mean - half:.3f}-{mean + half:.3f}"
+    return run_in_new_process(__file__, "--one", name)
 
 
 def main():
@@ -207,14 +219,19 @@ def main():
             f"{name:<16} {e:8.3f} {e / base['epoch']:6.2f} {c:12.2f} {c / base['cpu']:6.2f} "
             f"{s:15.0f} {s / base['switches']:6.2f} {t:13.2f} {t / base['total']:6.2f}"
         )
-    for figure, values in (("s/epoch", epoch), ("CPU s/epoch", cpu), ("switches/epoch", switches)):
-        ratios = [
-            w / p for w, p in zip(values["tpunb.lightning"], values["lightning"], strict=True)
-        ]
-        print(
-            f"tpunb.lightning / lightning, {figure}: median {statistics.median(ratios):.3f}, "
-            f"{_interval(ratios)} (each repeat: {', '.join(f'{r:.3f}' for r in ratios)})"
-        )
+    for against in ("lightning", "lightning, bar"):
+        for figure, values in (
+            ("s/epoch", epoch),
+            ("CPU s/epoch", cpu),
+            ("switches/epoch", switches),
+        ):
+            ratios = [
+                w / p for w, p in zip(values["tpunb.lightning"], values[against], strict=True)
+            ]
+            print(
+                f"tpunb.lightning / {against}, {figure}: median {statistics.median(ratios):.3f}, "
+                f"{interval(ratios)} (each repeat: {', '.join(f'{r:.3f}' for r in ratios)})"
+            )
 
 
 if __name__ == "__main__":
