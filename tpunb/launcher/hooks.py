@@ -32,11 +32,13 @@ def installed():
     xla_rendezvous = xm.xla_rendezvous
 
     def sync_ending_a_step(*args, **kwargs):
-        result = sync(*args, **kwargs)
         if sys._getframe(1).f_globals.get("__name__") == _DYNAMO_BRIDGE:
-            return result
-        heartbeat.tick()
+            return sync(*args, **kwargs)
         steps = recorder.current()
+        if steps is not None:
+            steps.before_sync()  # the steps before this one, computed by now: sent
+        result = sync(*args, **kwargs)
+        heartbeat.tick()
         if steps is not None:
             steps.end_step()
         return result

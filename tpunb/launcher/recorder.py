@@ -1,8 +1,8 @@
 """In a rank: what each step did, recorded at every ``torch_xla.sync()`` and sent to the
-notebook in batches (``messages.Steps``). A step's record holds the values given to
-``tpunb.log``, the shapes of the batches the loader handed out, and, from one rank a
-process, the process's new compilations, compile time and CPU fallback ops (torch_xla's
-metrics are per process)."""
+notebook in batches (``messages.Steps``) before a later sync. A step's record holds the
+values given to ``tpunb.log``, the shapes of the batches the loader handed out, and, from
+one rank a process, the process's new compilations, compile time and CPU fallback ops
+(torch_xla's metrics are per process)."""
 
 import collections
 import functools
@@ -14,7 +14,8 @@ from tpunb.errors import TpunbError
 from tpunb.history import Step
 from tpunb.launcher.messages import Steps
 
-FLUSH_SECONDS = 0.5  # at most this long between a step and its record reaching the notebook
+# At most this long (and a step) between a step and its record reaching the notebook.
+FLUSH_SECONDS = 0.5
 _rank = threading.local()  # in a rank's thread: its Recorder
 # What torch_xla's own helpers did in this process after a sync: CPU fallbacks that cut no
 # graph (op -> times) and, under _COMPILES, their own graphs; not blamed on the steps.
@@ -85,6 +86,15 @@ class Recorder:
         self._unsent.append(record)
         self.step += 1
         self._values, self._shapes, self._samples = {}, [], 0
+
+    def before_sync(self):
+        """Called right before this rank's ``torch_xla.sync()``: sends the finished steps
+        once ``FLUSH_SECONDS`` have passed since the last send. Not right after the sync:
+        reading a device value takes the device's lock, which the execution just
+        dispatched holds until it ends (``TensorCollectionBarrier`` in
+        https://github.com/pytorch/xla/blob/v2.9.0/torch_xla/csrc/xla_graph_executor.cpp),
+        so the host would wait for the device instead of tracing the next step. A step's
+        tracing later, that execution has usually ended."""
         if time.monotonic() - self._last_flush >= FLUSH_SECONDS:
             # The process's reporter keeps its last step back: the counts of the ranks
             # still running after it join that step at the end (finish).
