@@ -1,8 +1,7 @@
-"""What a value logged at every step costs, on 8 simulated cores, as ratios measured in the
-same run.
+"""What a value logged at every step costs on simulated cores, as ratios of one run.
 
-The same training (tpunb.launch with tpunb.shard on the shared workload, SGD, 5 epochs,
-live=False) with, at every step:
+The same training on 8 simulated cores (tpunb.launch with tpunb.shard on the shared
+workload, SGD, 5 epochs, live=False) with, at every step:
 
 - nothing: no value logged (the baseline);
 - a number: tpunb.log(step=...) of a Python int (tpunb's records of a value);
