@@ -12,8 +12,7 @@ workload, SGD, 5 epochs, live=False) with, at every step:
 - the loss a step later: the loop reads its previous step's loss with .item() before this
   step's sync, and logs the number (one value held, a transfer a step);
 - the loss at once: tpunb.log(loss=loss.item()) right after backward (the step's graph
-  runs there, then the optimizer's runs at the next sync: how Lightning's progress bar
-  reads a logged loss).
+  runs there and the host waits for it; the optimizer's runs at the next sync).
 
 Printed: seconds an epoch after the first (timed in rank 0) and the CPU seconds of the
 ranks' process in it, as medians, and each variant's ratio to "nothing" in the same round
