@@ -32,7 +32,13 @@ def main(argv=None):
     parser.add_argument("-m", dest="module", help="run a module, as python -m does")
     parser.add_argument("script", nargs="?", help="the script to run, as python would")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="the script's arguments")
-    options = parser.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    at = _module_option(argv)
+    if at is None:
+        options = parser.parse_args(argv)
+    else:  # as python's own -m: every argument after "-m module" is the module's
+        options = parser.parse_args(argv[: at + 2])
+        options.args = argv[at + 2 :]
     if options.module is None and options.script is None:
         parser.error("give the script to run (or -m module)")
     if options.module is None and not os.path.isfile(options.script):
@@ -49,6 +55,18 @@ def main(argv=None):
         sys.argv = [options.script, *options.args]
         sys.path.insert(0, os.path.dirname(os.path.abspath(options.script)))
         runpy.run_path(options.script, run_name="__main__")
+
+
+def _module_option(argv):
+    """Where "-m" stands among this command's own options, or None."""
+    at = 0
+    while at < len(argv):
+        if argv[at] == "-m":
+            return at
+        if not argv[at].startswith("-"):
+            return None  # the script: what follows is its own
+        at += 2 if argv[at] == "--cores" else 1
+    return None
 
 
 class _Simulate(types.ModuleType):

@@ -11,8 +11,10 @@ ranks, each of which killed launches, are taken out.
    Lightning's barriers, calls ``.item()`` at the same moment. On 8 simulated cores about 1
    launch in 200 of 50 rendezvous each died so (docs/simulation.md). Once a counter exists
    the threads only read the map, which is safe: the process runs the fallbacks training
-   code meets most once, on device data (nothing is compiled, and tpunb's per-step counts
-   start after them).
+   code meets most once, on device data (nothing is compiled), then puts torch_xla's
+   counters and metrics back as they were: a counter at 0 stays in the map but is shown
+   nowhere (``GetFallbackOperations``, ``GetCounterNames``), so the ranks' programs read
+   no transfer or fallback they did not make.
 
 2. Forks. A rank whose DataLoader has worker processes forks them from its thread, and the
    ranks do so at the same moment (each epoch's first batch). On Python 3.12+ filelock
@@ -59,16 +61,25 @@ def _then_prepare(initialize):
 
 
 def create_counters():
-    """Runs each op of ``PRIMED_OPS`` once on this process's first device."""
+    """Runs each op of ``PRIMED_OPS`` once on this process's first device, then sets
+    torch_xla's counters and metrics back to what they were."""
     import torch
     import torch_xla
+    import torch_xla.debug.metrics as met
 
+    counters = {name: met.counter_value(name) for name in met.counter_names()}
     device = torch_xla.device()
     values = torch.tensor([1.0, 0.0]).to(device)  # device data: nothing to compile
     mask = torch.tensor([True, False]).to(device)
     torch.tensor([1.0]).to(device).item()
     torch.nonzero(values)
     values.masked_select(mask)
+    del values, mask
+    # The runtime has just started here: the metrics (timings) all come from the lines above.
+    met.clear_metrics()
+    met.clear_counters()
+    for name, value in counters.items():
+        torch_xla._XLAC._xla_increment_counter(name, value)
 
 
 def forks_one_at_a_time():

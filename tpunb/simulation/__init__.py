@@ -8,6 +8,7 @@
     random_state.py  torch's random generator for each core's setup
     rank_threads.py  what happens as a process's rank threads start and end
     rank_cpu.py     a process's rank threads on one CPU, on a machine of two
+    tpu_answers.py  what Python asks about the hardware answers a TPU; the runtime the CPU
     spawned.py      the simulation in the children of the spawn start method
     lightning.py    PyTorch Lightning's TPU accelerator opened to the simulated cores
 
@@ -20,6 +21,7 @@ from tpunb import cores as core_layout
 from tpunb import hardware, platform, versions
 from tpunb.environment import env
 from tpunb.errors import TpunbError, check_count
+from tpunb.simulation import tpu_answers
 
 # XLA's CPU compiler level for the simulated cores' graphs (XLA's default is 3). Level 1
 # compiles in about 0.77 of the time, later steps as fast on 2 CPUs (docs/simulation.md,
@@ -31,8 +33,9 @@ _COMPILE_LEVEL_FLAG = "--xla_backend_optimization_level"
 def simulate(cores=8, instead_of_tpu=False):
     """Simulate a TPU with ``cores`` cores on this machine's CPU, for every later launch.
 
-    Selects torch_xla's CPU device with ``cores`` devices (``PJRT_DEVICE=CPU``,
-    ``CPU_NUM_DEVICES``) and makes collectives between them work. Graphs compile at XLA's
+    torch_xla's runtime gets its CPU client with ``cores`` devices, while what Python asks
+    about the hardware answers a TPU v5e (``tpu_answers.py``), and collectives between the
+    devices work. Graphs compile at XLA's
     CPU level ``COMPILE_LEVEL`` unless ``XLA_FLAGS`` sets ``--xla_backend_optimization_level``.
     Call it before anything touches the XLA device. Returns the environment report.
 
@@ -57,15 +60,15 @@ def simulate(cores=8, instead_of_tpu=False):
             "cores can no longer change. Restart the kernel (or Python) and call "
             "tpunb.simulate(...) before anything touches the XLA device."
         )
-    os.environ["PJRT_DEVICE"] = "CPU"
-    os.environ["CPU_NUM_DEVICES"] = str(count)
+    tpu_answers.set_environment(count, processes=1)
     # One torch_xla pool thread per replica at least, or collectives cannot complete.
     pool_size = max(16, 2 * count, int(os.environ.get("XLA_THREAD_POOL_SIZE", "0") or 0))
     os.environ["XLA_THREAD_POOL_SIZE"] = str(pool_size)
     os.environ["PJRT_CPU_ASYNC_CLIENT"] = "false"
     set_compile_level(os.environ)
     # As Kaggle's TPU image presets them, so that its notebooks' "os.environ.pop(...)" cell
-    # runs here too. torch_xla reads them only for a TPU.
+    # runs here too. torch_xla only sets them again (os.environ.setdefault); libtpu would
+    # read them.
     os.environ.setdefault("TPU_PROCESS_ADDRESSES", "local")
     os.environ.setdefault("CLOUD_TPU_TASK_ID", "0")
 
@@ -82,6 +85,7 @@ def simulate(cores=8, instead_of_tpu=False):
         spawned,
     )
 
+    tpu_answers.install(count)
     collectives.install()
     compiled.install()
     point_to_point.install()
@@ -91,7 +95,7 @@ def simulate(cores=8, instead_of_tpu=False):
     rank_cpu.install()
     spawned.install(count, instead_of_tpu)
     shared_process.install()  # also for plain xmp.spawn and Lightning's launcher
-    lightning.install(count)
+    lightning.install()
     core_layout.set_simulated(count)
     return env()
 

@@ -42,7 +42,7 @@ Plus the synchronous PJRT CPU client (``PJRT_CPU_ASYNC_CLIENT=false``, set by
 
 Syncs of graphs without a collective take no barrier, so work done by one rank alone
 (printing, evaluation on rank 0) behaves as upstream. While the process compiles, they
-take the dispatch lock (``_one_compile_a_graph``): after a collective the ranks leave
+take the dispatch lock (``_compile_alone``): after a collective the ranks leave
 together, and each would compile the same new graph of the work after it (7 compilations
 too many in a launch's first steps). Once nothing compiles, they dispatch side by side.
 """
@@ -57,9 +57,8 @@ import torch
 import torch_xla
 import torch_xla.core.xla_model as xm
 import torch_xla.runtime as xr
-import torch_xla.torch_xla as torch_xla_module
 
-from tpunb import cores
+from tpunb import cores, step_hooks
 from tpunb.errors import RankEnded, TpunbError
 from tpunb.simulation import random_state, rank_cpu
 
@@ -141,43 +140,35 @@ def install():
         setattr(torch_xla._XLAC, name, _own_graph(getattr(torch_xla._XLAC, name)))
     xm.all_reduce = _own_graph(xm.all_reduce)
     _step_marker[0] = torch_xla._XLAC._xla_step_marker
-    torch_xla._XLAC._xla_step_marker = _one_compile_a_graph(_step_marker[0])
-    torch_xla.sync = torch_xla_module.sync = _counting_steps(torch_xla_module.sync)
+    step_hooks.add(before=_compile_alone, dispatched=_others_may_dispatch, after=_step_ended)
 
 
-def _counting_steps(sync):
-    """``torch_xla.sync`` that counts each rank's steps, for the mismatch message."""
-
-    @functools.wraps(sync)
-    def sync_ending_a_step(*args, **kwargs):
-        result = sync(*args, **kwargs)
-        if cores.in_rank():
-            random_state.done_drawing()
-            _round().steps[xr.global_ordinal()] += 1
-            rank_cpu.after_sync()
-        return result
-
-    return sync_ending_a_step
+def _step_ended(caller):
+    """After a sync: counts the rank's steps, for the mismatch message."""
+    if cores.in_rank():
+        random_state.done_drawing()
+        _round().steps[xr.global_ordinal()] += 1
+        rank_cpu.after_sync()
 
 
-def _one_compile_a_graph(step_marker):
-    """The step marker of the ranks' syncs, dispatching under the dispatch lock while the
-    process compiles (it compiled since this rank's last sync). torch_xla looks a graph up,
-    compiles it on a miss, then adds it to the cache (``LookupCachedCompile`` in
+def _compile_alone(caller):
+    """Before a sync's step marker: takes the dispatch lock while the process compiles (it
+    compiled since this rank's last sync). torch_xla looks a graph up, compiles it on a
+    miss, then adds it to the cache (``LookupCachedCompile`` in
     https://github.com/pytorch/xla/blob/v2.9.0/torch_xla/csrc/xla_graph_executor.cpp): ranks
     that leave a collective together and sync the same new graph would each compile it.
     Once the graphs are compiled, the ranks dispatch side by side."""
+    if _compiles() != getattr(_calls, "compiles_at_sync", -1):
+        _dispatch_lock.acquire()
+        _calls.holding = True
 
-    @functools.wraps(step_marker)
-    def step_marker_one_compile_a_graph(*args, **kwargs):
-        if _compiles() == getattr(_calls, "compiles_at_sync", -1):
-            return step_marker(*args, **kwargs)
-        with _dispatch_lock:
-            result = step_marker(*args, **kwargs)
+
+def _others_may_dispatch(caller):
+    """Right after the step marker: the lock taken by ``_compile_alone`` is given back."""
+    if getattr(_calls, "holding", False):
+        _calls.holding = False
+        _dispatch_lock.release()
         _calls.compiles_at_sync = _compiles()
-        return result
-
-    return step_marker_one_compile_a_graph
 
 
 def _compiles():
@@ -209,7 +200,11 @@ def _own_graph(collective):
 def _run_pending_work():
     """Runs what this rank has traced so far, before a collective (point 1 above)."""
     with _dispatch_lock:
-        _step_marker[0](torch_xla._XLAC._xla_get_default_device(), [], wait=False, reset_scope=True)
+        # reset_scope=False: the cut is inside the user's step, maybe inside a profiler
+        # scope (xp.Trace) that must still be open when the step's own sync comes.
+        _step_marker[0](
+            torch_xla._XLAC._xla_get_default_device(), [], wait=False, reset_scope=False
+        )
 
 
 def _run_together(call):
@@ -223,7 +218,7 @@ def _run_together(call):
     _wait_for_every_rank(meeting, rank)  # every rank has described its call
     _check_same_call(meeting)
     with _dispatch_lock:
-        _step_marker[0](device, [], wait=False, reset_scope=True)
+        _step_marker[0](device, [], wait=False, reset_scope=False)
     _wait_for_every_rank(meeting, rank)
     torch_xla._XLAC._set_all_reduce_token(device, None)
 
@@ -252,6 +247,9 @@ def new_meeting_place():
 def rank_ended(error):
     """This rank returned (``error`` None) or raised ``error``: the ranks waiting for it at
     a collective, and those that call one later, raise ``RankEnded`` (rank_threads.py)."""
+    if getattr(_calls, "holding", False):  # its step marker raised
+        _calls.holding = False
+        _dispatch_lock.release()
     if cores.in_rank():
         _round().end(xr.global_ordinal(), error)
 

@@ -3,8 +3,9 @@
 (the XLA strategy, its fork launcher, the sampler it inserts and the gradient all-reduce
 stay Lightning's own):
 
-- Lightning's ``XLAAccelerator`` counts the TPU chips on PCI (through torch_xla), which is
-  0 on a CPU, so ``Trainer(accelerator="tpu")`` refuses to start: its count becomes N.
+- Lightning's ``XLAAccelerator`` counts the TPU chips on PCI through torch_xla, which
+  answers the simulated ones (tpu_answers.py), and caches the count: a count taken before
+  ``simulate`` (0: ``Trainer(accelerator="tpu")`` would refuse to start) is forgotten.
 - Lightning's XLA launcher gets ``trained_weights_back``, so that after ``fit`` the
   notebook's model holds the trained weights.
 
@@ -21,12 +22,8 @@ import importlib.abc
 import importlib.util
 import sys
 
-_cores = None
 
-
-def install(cores):
-    global _cores
-    _cores = cores
+def install():
     for name, patch in _PATCHES.items():
         module = sys.modules.get(name)
         if module is not None:
@@ -53,8 +50,8 @@ def trained_weights_back(upstream, launcher, trainer, results):
 
 def _patch_accelerator(module):
     accelerator = module.XLAAccelerator
-    accelerator.auto_device_count = staticmethod(_simulated_device_count)
     # Cached: a Trainer built before simulate() may have found no TPU.
+    accelerator.auto_device_count.cache_clear()
     accelerator.is_available.cache_clear()
 
 
@@ -69,10 +66,6 @@ def _patch_launcher(module):
 
     _collect_rank_zero_results._tpunb = True
     launcher._collect_rank_zero_results = _collect_rank_zero_results
-
-
-def _simulated_device_count():
-    return _cores
 
 
 # In the ``lightning`` package and in the standalone ``lightning_fabric`` and

@@ -3,7 +3,8 @@ start and as each one ends.
 
 Used only under ``tpunb.simulate``. torch_xla runs the ranks of a process as threads
 (``_run_thread_per_device`` in ``torch_xla/_internal/pjrt.py``; on the simulation all of
-them). As they start, the collectives' meeting place is made new for them. As a rank ends,
+them). As they start, the collectives' meeting place is made new for them, and the
+runtime about to start is told to use the CPU (tpu_answers.py). As a rank ends,
 returning or raising, it gives back torch's random generator (random_state.py) and says
 so to the collectives: the ranks waiting for it at a collective stop at once with
 ``RankEnded``, naming it, and the ranks that call one later stop as they call it. On a TPU
@@ -14,7 +15,7 @@ ended first, as if it had been the only one.
 import functools
 
 from tpunb.errors import RankEnded
-from tpunb.simulation import collectives, random_state, rank_cpu
+from tpunb.simulation import collectives, random_state, rank_cpu, tpu_answers
 
 
 def install():
@@ -42,6 +43,7 @@ def _telling_the_collectives(run_threads):
             return result
 
         collectives.new_meeting_place()
+        tpu_answers.runtime_reads_cpu()  # the runtime starts in this process: on the CPU
         try:
             return run_threads(local_rank, local_world_size, rank, initializer_fn)
         except RankEnded as stopped:

@@ -1,0 +1,119 @@
+"""What TPU programs and libraries written without tpunb see on simulated cores: a TPU,
+their own metrics, torch_xla's debug output naming their own lines, their profiler traces
+intact, and Accelerate's TPU branch (tests/third_party/, run as their authors would)."""
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+THIRD_PARTY = os.path.join(os.path.dirname(__file__), "third_party")
+
+
+def _simulated(script_and_args, cores=8, env=None, timeout=300):
+    """``python -m tpunb.simulate --cores N ...``, the README's entry point for scripts."""
+    result = subprocess.run(
+        [sys.executable, "-m", "tpunb.simulate", "--cores", str(cores), *script_and_args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+def _script(name):
+    return os.path.join(THIRD_PARTY, name)
+
+
+def test_a_step_inside_a_profiler_trace_with_its_all_reduce_runs():
+    # The simulation's cut before a collective once reset the IR scope of the user's
+    # trace: "Expecting scope to be empty but it is train_step.1".
+    result = _simulated([_script("profiled_step.py")])
+    assert "8 cores, 3 traced steps, same weights: True" in result.stdout
+
+
+def test_a_rank_starts_on_a_tpu_with_no_transfer_or_fallback_counted():
+    result = _simulated([_script("rank_start.py")])
+    # The ranks print at once: their lines may run into each other.
+    lines = sorted(re.findall(r"rank \d+: .*?autocast \S+?bfloat16", result.stdout))
+    assert lines == [
+        f"rank {rank}: fallbacks [], transfers None, hardware TPU, device type TPU, "
+        "autocast torch.bfloat16"
+        for rank in range(8)
+    ], result.stdout
+
+
+def _analyses(stderr):
+    """torch_xla's PT_XLA_DEBUG analyses: (cause, frames) for each."""
+    found = []
+    for block in re.split(r"(?:Compilation|Execution) Analysis: =+\n", stderr):
+        cause = re.search(r"Analysis: (?:Compilation|Execution) Cause\n.*?Analysis:\s+(.*)", block)
+        if cause is None:
+            continue
+        frames = re.findall(r"Analysis:\s+(\S+) \((.+):(\d+)\)", block)
+        found.append((cause.group(1), frames))
+    return found
+
+
+def test_torch_xlas_debug_output_names_the_users_sync_and_line():
+    script = _script("sync_debug.py")
+    result = _simulated([script], cores=2, env={"PT_XLA_DEBUG_LEVEL": "2"})
+    analyses = _analyses(result.stderr)
+    # 2 ranks in the simulation's one process x 3 steps executed; 3 graphs compiled.
+    assert len(analyses) == 9, result.stderr[-3000:]
+    line = next(n for n, text in enumerate(open(script), 1) if "torch_xla.sync()  #" in text)
+    for cause, frames in analyses:
+        assert cause == "user torch_xla.sync"
+        (sync, sync_file, _), (user, user_file, user_line) = frames[:2]
+        assert (sync, os.path.basename(sync_file)) == ("sync", "torch_xla.py")
+        assert (user, user_file, int(user_line)) == ("train", script, line)
+
+
+def test_a_launch_leaves_torch_xlas_debug_output_to_the_user(tmp_path):
+    # tpunb.launch records each step at its sync, on a TPU too: no frame of its own there.
+    program = tmp_path / "program.py"
+    program.write_text(
+        "import torch, torch_xla, tpunb\n"
+        "\n"
+        "def train(rank):\n"
+        "    weights = torch.ones(4, device=torch_xla.device())\n"
+        "    for _ in range(2):\n"
+        "        weights = weights * 0.5 + 1\n"
+        "        torch_xla.sync()\n"
+        "\n"
+        "if __name__ == '__main__':\n"
+        "    tpunb.simulate(cores=1)\n"
+        "    tpunb.launch(train, live=False)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, str(program)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PT_XLA_DEBUG_LEVEL": "2"},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    users = [a for a in _analyses(result.stderr) if ("train", str(program), "7") in a[1]]
+    assert len(users) >= 2, result.stderr[-3000:]
+    for cause, frames in users:
+        assert cause == "user torch_xla.sync"
+        assert frames[1] == ("train", str(program), "7")
+
+
+@pytest.mark.parametrize("how", ["notebook_launcher", "accelerate launch --tpu"])
+def test_accelerate_runs_its_tpu_branch(how):
+    script = _script("accelerate_training.py")
+    if how == "notebook_launcher":  # in a Kaggle notebook: its image sets KAGGLE_* variables
+        result = _simulated([script], env={"KAGGLE_KERNEL_RUN_TYPE": "Interactive"})
+        assert "Launching a training on TPU cores." in result.stdout
+    else:
+        launch = ["-m", "accelerate.commands.launch", "--tpu", "--main_training_function"]
+        result = _simulated([*launch, "main", script])
+    said = result.stdout
+    assert said.count("DistributedType.XLA on 8 processes, same weights: True") == 1, said
+    ranks = sorted(re.findall(r"process \d+, local \d+, main (?:True|False)", said))
+    assert ranks == [f"process {r}, local {r}, main {r == 0}" for r in range(8)], said

@@ -1,0 +1,108 @@
+"""What Python asks about the hardware answers "a TPU v5e host", while torch_xla's runtime
+keeps its CPU client.
+
+Used only under ``tpunb.simulate``. Programs and libraries ask whether they run on a TPU
+and take their TPU branch only then: ``xr.device_type()`` (Accelerate's
+``is_torch_xla_available(check_is_tpu=True)``, which sets each rank's
+``local_process_index``; torch_xla's own launch), ``xm.xla_device_hw(device)`` (torch_xla's
+autocast, programs gated on ``in ('TPU', ...)``), ``os.environ["PJRT_DEVICE"]``
+(Accelerate's ``notebook_launcher``), the TPU chips on PCI (torch_xla's and Lightning's
+device counts). On the CPU they would all answer CPU, and such code would silently skip
+its work.
+
+The one variable both sides read is ``PJRT_DEVICE``: torch_xla's C++ runtime reads it once,
+when it starts, to pick its client (``PjRtComputationClient::Initialize``), Python code at
+any time. The two read different copies: Python reads ``os.environ``, the runtime the
+process's C environment, which ``os.putenv`` alone changes. So ``os.environ`` says what a
+v5e host's says (``PJRT_DEVICE=TPU`` and the TPU's description, which torch_xla reads
+instead of asking the cloud's metadata server when ``TPU_SKIP_MDS_QUERY`` is set), and the
+C environment says ``PJRT_DEVICE=CPU``. ``CPU_NUM_DEVICES``, the number of CPU devices the
+runtime makes, is in both (no TPU program reads it). A program that sets
+``os.environ["PJRT_DEVICE"] = "TPU"`` itself (many TPU notebooks do) keeps the runtime on
+the CPU, and every launched process sets the runtime's copy again before it starts.
+
+What stays the CPU's: the runtime's own device names (``xm.xla_real_devices()``,
+``torch_xla.real_devices()``: "CPU:0"), which torch_xla hands back to the runtime;
+``xm.xla_device_kind()`` ("cpu": Pallas kernels check it and refuse with their own
+message); the runtime's device attributes and memory statistics; libtpu (never loaded);
+``tpu-info`` (it reads a running libtpu).
+"""
+
+import functools
+import os
+
+_RUNTIME_DEVICE = "CPU"
+_putenv = os.putenv
+_devices_per_process = None
+
+
+def environment(cores, processes):
+    """What ``os.environ`` holds on a v5e host of ``cores`` chips that launches
+    ``processes`` processes, as torch_xla reads it without a metadata server."""
+    return {
+        "PJRT_DEVICE": "TPU",
+        "TPU_SKIP_MDS_QUERY": "1",
+        "TPU_ACCELERATOR_TYPE": f"v5litepod-{cores}",
+        "TPU_WORKER_ID": "0",
+        "TPU_WORKER_HOSTNAMES": "localhost",
+        "TPU_CHIPS_PER_PROCESS_BOUNDS": "1,1,1",
+        # torch_xla launches min(chips, processes in these bounds) processes.
+        "TPU_PROCESS_BOUNDS": f"{processes},1,1",
+    }
+
+
+def set_environment(cores, processes):
+    """Sets ``os.environ`` as ``environment`` says and the runtime's copy to the CPU's.
+    Before torch_xla is imported: it selects a device at import if none is set."""
+    global _devices_per_process
+    _devices_per_process = cores // processes
+    os.putenv = _runtime_stays_on_the_cpu
+    os.environ.update(environment(cores, processes))
+    runtime_reads_cpu()
+
+
+def install(cores):
+    """The TPU chips on PCI are the ``cores`` simulated ones, and each device's hardware
+    (``xm.xla_device_hw``) is a TPU. The runtime's device names (``xm.xla_real_devices``,
+    ``torch_xla.real_devices()``: "CPU:0") stay its own: torch_xla hands them back to the
+    runtime (``xm.set_replication``), which knows its devices by them."""
+    import torch_xla._internal.tpu as tpu
+    import torch_xla.core.xla_model as xm
+
+    tpu.num_available_chips = _chips(cores)
+    if not getattr(xm.xla_device_hw, "answers_tpu", False):
+        xm.xla_device_hw = _as_tpu(xm.xla_device_hw)
+
+
+def runtime_reads_cpu():
+    """The C environment, which torch_xla's runtime reads as it starts, selects its CPU
+    client with this process's devices. Called before a launched process starts it."""
+    _putenv("PJRT_DEVICE", _RUNTIME_DEVICE)
+    os.environ["CPU_NUM_DEVICES"] = str(_devices_per_process)
+
+
+def _runtime_stays_on_the_cpu(key, value):
+    """``os.putenv``, through which every change of ``os.environ`` reaches the C
+    environment, less ``PJRT_DEVICE``: the runtime's copy stays the CPU's."""
+    name = key.decode() if isinstance(key, bytes) else key
+    if name == "PJRT_DEVICE":
+        value = _RUNTIME_DEVICE
+    _putenv(key, value)
+
+
+def _chips(cores):
+    def num_available_chips():
+        """The TPU chips attached through PCI: the simulated ones."""
+        return cores
+
+    return num_available_chips
+
+
+def _as_tpu(xla_device_hw):
+    @functools.wraps(xla_device_hw)
+    def tpu_hardware(device):
+        hardware = xla_device_hw(device)
+        return "TPU" if hardware == _RUNTIME_DEVICE else hardware
+
+    tpu_hardware.answers_tpu = True
+    return tpu_hardware
