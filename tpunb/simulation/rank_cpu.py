@@ -26,6 +26,7 @@ CONFINED_ON = 2
 # In a rank thread: whether it was placed yet and, if it moved, the CPUs it had before.
 _thread = threading.local()
 _fork_hook = []  # registered once a process (simulate may run again)
+_autograd_starting = threading.Lock()
 
 
 def rank_started():
@@ -59,11 +60,14 @@ def _start_autograds_threads():
     """Autograd starts its threads, one a device, at the process's first backward pass of
     any tensor (``Engine::initialize_device_threads_pool`` in torch's
     torch/csrc/autograd/engine.cpp). A rank's first may come after another rank moved: one
-    of a CPU number here starts them on every CPU first (and does nothing once they run)."""
+    of a CPU number here starts them on every CPU first (and does nothing once they run).
+    One rank at a time: the ranks leave a collective together, and several first backward
+    passes at once, each starting the threads, crashed a launch process (SIGSEGV in
+    ``strlen`` under ``_engine_run_backward``, once in a CI run)."""
     import torch
 
     # The sync may run under no_grad or inference_mode (an evaluation, dynamo's extraction).
-    with torch.inference_mode(False), torch.enable_grad():
+    with _autograd_starting, torch.inference_mode(False), torch.enable_grad():
         (torch.ones((), requires_grad=True) * 1).backward()
 
 
