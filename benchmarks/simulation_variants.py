@@ -132,13 +132,13 @@ def _without_second_barrier(meet):
     import torch_xla
     import torch_xla.runtime as xr
 
-    from tpunb.simulation import collectives
+    from tpunb.simulation import calls, collectives
 
     def run_together(call):
         device = torch_xla._XLAC._xla_get_default_device()
         meeting, rank = collectives._round(), xr.global_ordinal()
         meeting.collectives[rank] += 1
-        meeting.calls[rank] = (call, collectives._Caller(sys._getframe()))
+        meeting.calls[rank] = (call, calls.Caller(sys._getframe()))
         if meet:
             collectives._wait_for_every_rank(meeting, rank)
             collectives._check_same_call(meeting)

@@ -45,7 +45,7 @@ def available():
     """The layout of a launch on this machine: the simulated cores once ``tpunb.simulate``
     ran (on a TPU host only when asked to replace the TPU), else its TPU, else None."""
     if _simulated is not None:
-        return Layout(cores=_simulated, processes=1, tpu=None)
+        return Layout(cores=_simulated[0], processes=_simulated[1], tpu=None)
     tpu = hardware.detect()
     if tpu is not None:
         return Layout(cores=tpu.cores, processes=tpu.chips, tpu=tpu)
@@ -64,10 +64,16 @@ def count(cores=None):
     return layout.cores
 
 
-def set_simulated(cores):
+def set_simulated(cores, processes):
     """Called by ``tpunb.simulate`` once the simulation is set up."""
     global _simulated
-    _simulated = cores
+    _simulated = (cores, processes)
+
+
+def process_a_core():
+    """True where ``tpunb.simulate(layout="processes")`` set up the simulation: its launches
+    run one process a core (simulation/rank_processes.py); False on the threads."""
+    return _simulated is not None and _simulated[1] > 1
 
 
 def in_rank():

@@ -30,8 +30,15 @@ COMPILE_LEVEL = 1
 _COMPILE_LEVEL_FLAG = "--xla_backend_optimization_level"
 
 
-def simulate(cores=8, instead_of_tpu=False):
+LAYOUTS = ("processes", "threads")
+
+
+def simulate(cores=8, instead_of_tpu=False, layout="threads"):
     """Simulate a TPU with ``cores`` cores on this machine's CPU, for every later launch.
+
+    ``layout="processes"`` runs each core's rank in a process of its own, as a TPU v5e-8
+    does (each rank sees its own ``xla:0``, metrics and random generator);
+    ``layout="threads"`` runs every rank as a thread of one process.
 
     torch_xla's runtime gets its CPU client with ``cores`` devices, while what Python asks
     about the hardware answers a TPU v5e (``tpu_answers.py``), and collectives between the
@@ -44,6 +51,11 @@ def simulate(cores=8, instead_of_tpu=False):
     e.g. to watch 8 cores on Colab's one-core TPU. A new kernel uses the TPU again.
     """
     count = check_count(cores, "simulate(cores=...)", "cores", 8)
+    if layout not in LAYOUTS:
+        raise TpunbError(
+            f"simulate(layout={layout!r}): the layout is 'processes' (one process a core, as "
+            "on a TPU v5e-8) or 'threads' (every core a thread of one process)."
+        )
     tpu = hardware.detect()
     if tpu is not None and not instead_of_tpu:
         raise TpunbError(
@@ -60,7 +72,8 @@ def simulate(cores=8, instead_of_tpu=False):
             "cores can no longer change. Restart the kernel (or Python) and call "
             "tpunb.simulate(...) before anything touches the XLA device."
         )
-    tpu_answers.set_environment(count, processes=1)
+    processes = count if layout == "processes" else 1
+    tpu_answers.set_environment(count, processes=processes)
     # One torch_xla pool thread per replica at least, or collectives cannot complete.
     pool_size = max(16, 2 * count, int(os.environ.get("XLA_THREAD_POOL_SIZE", "0") or 0))
     os.environ["XLA_THREAD_POOL_SIZE"] = str(pool_size)
@@ -73,19 +86,33 @@ def simulate(cores=8, instead_of_tpu=False):
     os.environ.setdefault("CLOUD_TPU_TASK_ID", "0")
 
     from tpunb.launcher import shared_process
+    from tpunb.simulation import lightning, spawned
+
+    tpu_answers.install(count)
+    if layout == "processes":
+        from tpunb.simulation import rank_processes
+
+        rank_processes.install()
+    else:
+        _install_threads()
+    spawned.install(count, instead_of_tpu, layout)
+    shared_process.install()  # also for plain xmp.spawn and Lightning's launcher
+    lightning.install()
+    core_layout.set_simulated(count, processes)
+    return env()
+
+
+def _install_threads():
     from tpunb.simulation import (
         collectives,
         compiled,
-        lightning,
         point_to_point,
         process_groups,
         random_state,
         rank_cpu,
         rank_threads,
-        spawned,
     )
 
-    tpu_answers.install(count)
     collectives.install()
     compiled.install()
     point_to_point.install()
@@ -93,11 +120,6 @@ def simulate(cores=8, instead_of_tpu=False):
     random_state.install()
     rank_threads.install()
     rank_cpu.install()
-    spawned.install(count, instead_of_tpu)
-    shared_process.install()  # also for plain xmp.spawn and Lightning's launcher
-    lightning.install()
-    core_layout.set_simulated(count)
-    return env()
 
 
 def set_compile_level(environ):

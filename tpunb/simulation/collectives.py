@@ -51,7 +51,6 @@ import functools
 import os
 import sys
 import threading
-import traceback
 
 import torch
 import torch_xla
@@ -59,8 +58,15 @@ import torch_xla.core.xla_model as xm
 import torch_xla.runtime as xr
 
 from tpunb import cores, step_hooks
-from tpunb.errors import RankEnded, TpunbError
+from tpunb.errors import RankEnded
 from tpunb.simulation import random_state, rank_cpu
+from tpunb.simulation.calls import (  # noqa: F401 (CollectiveMismatch: its home for users)
+    Caller,
+    CollectiveMismatch,
+    describe,
+    mismatch,
+    never_completes,
+)
 
 # The primitives every Python collective (xm.*, torch.distributed's XLA backend,
 # torch_xla.core.functions, SyncBatchNorm) reaches, with xm.all_reduce, whose default path
@@ -79,10 +85,6 @@ COLLECTIVE_PRIMITIVES = (
     "_xla_all_to_all",
     "_xla_collective_permute",
 )  # xm.send and xm.recv: point_to_point.py
-
-
-class CollectiveMismatch(TpunbError):
-    """Ranks called different collectives at the same point, so they can never meet."""
 
 
 _calls = threading.local()  # per thread: a collective call under way? compiles at its sync
@@ -145,7 +147,7 @@ def install():
 
 def _step_ended(caller):
     """After a sync: counts the rank's steps, for the mismatch message."""
-    if cores.in_rank():
+    if cores.in_rank() and not cores.process_a_core():
         random_state.done_drawing()
         _round().steps[xr.global_ordinal()] += 1
         rank_cpu.after_sync()
@@ -181,7 +183,7 @@ def _own_graph(collective):
     @torch._dynamo.disable
     @functools.wraps(collective)
     def call(*args, **kwargs):
-        if getattr(_calls, "under_way", False):
+        if getattr(_calls, "under_way", False) or cores.process_a_core():
             return collective(*args, **kwargs)
         random_state.done_drawing()
         _run_pending_work()
@@ -190,7 +192,7 @@ def _own_graph(collective):
             result = collective(*args, **kwargs)
         finally:
             _calls.under_way = False
-        _run_together(_describe(collective.__name__, args, kwargs))
+        _run_together(describe(collective.__name__, args, kwargs))
         return result
 
     call.own_graph = True
@@ -214,7 +216,7 @@ def _run_together(call):
     meeting = _round()
     rank = xr.global_ordinal()
     meeting.collectives[rank] += 1
-    meeting.calls[rank] = (call, _Caller(sys._getframe()))
+    meeting.calls[rank] = (call, Caller(sys._getframe()))
     _wait_for_every_rank(meeting, rank)  # every rank has described its call
     _check_same_call(meeting)
     with _dispatch_lock:
@@ -228,13 +230,9 @@ def _wait_for_every_rank(meeting, rank):
         return
     gone, cause = next(iter(meeting.ended.items()))
     how = "returned" if cause is None else f"raised {type(cause).__name__}: {cause}"
-    raise RankEnded(
-        f"{meeting.calls[rank][0]} {meeting.calls[rank][1]} (collective number "
-        f"{meeting.collectives[rank]}, step {meeting.steps[rank]}) can never complete: rank "
-        f"{gone} has ended (it {how}). A collective needs every rank; on a TPU the others "
-        f"would wait for rank {gone} forever.",
-        cause,
-    ) from cause
+    call, caller = meeting.calls[rank]
+    number, step = meeting.collectives[rank], meeting.steps[rank]
+    raise never_completes(call, caller, number, step, gone, how, cause) from cause
 
 
 def new_meeting_place():
@@ -256,69 +254,9 @@ def rank_ended(error):
 
 def _check_same_call(meeting):
     first = meeting.calls[0][0]
-    odd = [rank for rank, (call, _) in enumerate(meeting.calls) if call != first]
-    if not odd:
-        return
-    lines = [
-        f"rank {rank}, step {meeting.steps[rank]}: {meeting.calls[rank][0]} "
-        f"{meeting.calls[rank][1]}"
-        for rank in [0, *odd]
-    ]
-    raise CollectiveMismatch(
-        f"The ranks made different calls as their collective number "
-        f"{meeting.collectives[0]}, so they cannot meet (on a TPU they would wait for each "
-        "other forever):\n  "
-        + "\n  ".join(lines)
-        + "\nEvery rank must make the same collective calls in the same order, with tensors of "
-        "the same shape and dtype (e.g. drop_last=True on the DataLoader, or pad the last "
-        "batch)."
-    )
-
-
-class _Caller:
-    """Where the program called the collective, in words only when a message needs it: the
-    innermost frame outside torch, torch_xla and tpunb, and the function it called there
-    (e.g. xm.all_gather). Reading the stack at every call would slow every step."""
-
-    def __init__(self, frame):
-        self.frame = frame
-
-    def __str__(self):
-        libraries = tuple(
-            os.path.dirname(module.__file__) + os.sep
-            for module in (torch, torch_xla, sys.modules["tpunb"])
-        )
-        entry = None
-        for frame, _ in traceback.walk_stack(self.frame):
-            code = frame.f_code
-            if code.co_filename.startswith(libraries) or "/threading.py" in code.co_filename:
-                if code.co_filename.startswith(libraries[1]):  # torch_xla's own function
-                    entry = code.co_name
-                continue
-            where = f"called from {code.co_filename}, line {frame.f_lineno}, in {code.co_name}"
-            return f"(in {entry}), {where}" if entry else where
-        return "called inside torch_xla"
-
-
-def _describe(name, args, kwargs):
-    """A collective call in words: its name, its tensors' shapes and dtypes, and its other
-    arguments (reduce type, groups, scale)."""
-    parts = [_value(arg) for arg in args]
-    parts += [f"{key}={_value(value)}" for key, value in sorted(kwargs.items())]
-    return f"{name.lstrip('_').replace('xla_', '', 1)}({', '.join(parts)})"
-
-
-def _value(value):
-    if isinstance(value, torch.Tensor):
-        dtype = str(value.dtype).replace("torch.", "")
-        return f"{dtype}{list(value.shape)}"
-    if isinstance(value, (list, tuple)) and any(isinstance(v, torch.Tensor) for v in value):
-        return "[" + ", ".join(_value(v) for v in value) + "]"
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return repr(value)
-    if isinstance(value, (list, tuple)):
-        return repr(list(value))
-    return type(value).__name__
+    if any(call != first for call, _ in meeting.calls):
+        calls = [(meeting.steps[rank], *meeting.calls[rank]) for rank in range(meeting.ranks)]
+        raise mismatch(meeting.collectives[0], calls)
 
 
 def _round():

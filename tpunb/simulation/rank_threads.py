@@ -14,6 +14,7 @@ ended first, as if it had been the only one.
 
 import functools
 
+from tpunb import cores
 from tpunb.errors import RankEnded
 from tpunb.simulation import collectives, random_state, rank_cpu, tpu_answers
 
@@ -29,6 +30,9 @@ def _telling_the_collectives(run_threads):
     # Keeps the name: xmp.spawn sends it to its processes by name.
     @functools.wraps(run_threads)
     def run_thread_per_device(local_rank, local_world_size, fn, initializer_fn):
+        if cores.process_a_core():  # the process layout's (rank_processes.py)
+            return run_threads(local_rank, local_world_size, fn, initializer_fn)
+
         @functools.wraps(fn)
         def rank():
             rank_cpu.rank_started()

@@ -12,16 +12,17 @@ import functools
 import multiprocessing.spawn
 
 
-def install(cores, instead_of_tpu):
+def install(cores, instead_of_tpu, layout):
     command_line = getattr(
         multiprocessing.spawn.get_command_line,
         "before_simulation",
         multiprocessing.spawn.get_command_line,
     )
-    multiprocessing.spawn.get_command_line = _simulating_first(command_line, cores, instead_of_tpu)
+    simulating = _simulating_first(command_line, cores, instead_of_tpu, layout)
+    multiprocessing.spawn.get_command_line = simulating
 
 
-def _simulating_first(command_line, cores, instead_of_tpu):
+def _simulating_first(command_line, cores, instead_of_tpu, layout):
     @functools.wraps(command_line)
     def simulating_first(**kwargs):
         command = command_line(**kwargs)
@@ -30,7 +31,7 @@ def _simulating_first(command_line, cores, instead_of_tpu):
         program = command.index("-c") + 1
         command[program] = (
             f"import tpunb; tpunb.simulation.simulate(cores={cores}, "
-            f"instead_of_tpu={instead_of_tpu}); {command[program]}"
+            f"instead_of_tpu={instead_of_tpu}, layout={layout!r}); {command[program]}"
         )
         return command
 

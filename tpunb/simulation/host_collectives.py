@@ -1,0 +1,282 @@
+"""Collectives between the processes of simulated cores, computed on the host.
+
+Used only by the process layout (rank_processes.py). Each rank process has one XLA CPU
+device, and torch_xla's CPU client has no collectives between processes (it starts the
+client with no distributed options: ``InitializeCpu`` in
+https://github.com/pytorch/xla/blob/v2.9.0/torch_xla/csrc/runtime/pjrt_registry.cpp). So
+each primitive that every Python collective reaches (collectives.py lists them; xm.all_reduce
+of one tensor reaches ``torch.ops._c10d_functional.all_reduce`` and is sent to
+``_xla_all_reduce`` here) is replaced by one that:
+
+1. runs what the rank has traced so far (a cut, as on the threads), so the inputs are data
+   on the device, and reads them to the host in one transfer;
+2. shares them with every rank (host_exchange.py), with the call's description: ranks whose
+   calls differ raise ``CollectiveMismatch`` together;
+3. computes its result as XLA defines the collective (reduction, groups, scale, shards) from
+   the ranks' inputs in rank order, so every rank computes the same bits;
+4. puts the result on the device: a new tensor, or the outputs written in place.
+
+The token torch_xla threads through its collectives to order them is handed back as it
+came: the host has already ordered them.
+"""
+
+import functools
+import sys
+
+import numpy as np
+import torch
+import torch_xla
+import torch_xla.core.xla_model as xm
+import torch_xla.runtime as xr
+
+from tpunb import step_hooks
+from tpunb.errors import RankEnded
+from tpunb.simulation.calls import Caller, describe, mismatch, never_completes
+
+_REDUCE = {
+    xm.REDUCE_SUM: torch.add,
+    xm.REDUCE_MUL: torch.mul,
+    xm.REDUCE_AND: torch.bitwise_and,
+    xm.REDUCE_OR: torch.bitwise_or,
+    xm.REDUCE_MIN: torch.minimum,
+    xm.REDUCE_MAX: torch.maximum,
+}
+_rank = {"exchange": None, "steps": 1, "collectives": 0}  # this rank process's
+_original = {}
+
+
+def install():
+    """Replaces the collective primitives and xm.all_reduce in this process; they act as
+    before outside a rank process (``start``)."""
+    if getattr(xm.all_reduce, "on_the_host", False):
+        return
+    for name, implementation in _PRIMITIVES.items():
+        _original[name] = getattr(torch_xla._XLAC, name)
+        setattr(torch_xla._XLAC, name, _in_ranks(name, implementation))
+    _original["all_reduce"] = xm.all_reduce
+    xm.all_reduce = _all_reduce_one_tensor_too
+    step_hooks.add(after=_step_ended)
+
+
+def start(exchange):
+    """This process is a rank, meeting the others through ``exchange``."""
+    _rank.update(exchange=exchange, steps=1, collectives=0)
+
+
+def exchange():
+    """The meeting of this rank process, or None outside one."""
+    return _rank["exchange"]
+
+
+def _step_ended(caller):
+    _rank["steps"] += 1
+
+
+def _in_ranks(name, implementation):
+    original = _original[name]
+
+    # torch.compile runs the call between the graphs it compiles (torch._dynamo.disable).
+    @torch._dynamo.disable
+    @functools.wraps(original)
+    def primitive(*args, **kwargs):
+        if _rank["exchange"] is None:
+            return original(*args, **kwargs)
+        return implementation(*args, **kwargs)
+
+    return primitive
+
+
+def _all_reduce_one_tensor_too(reduce_type, inputs, scale=1.0, groups=None, pin_layout=True):
+    """xm.all_reduce: one tensor goes to ``_xla_all_reduce`` (upstream it may go to
+    ``torch.ops._c10d_functional.all_reduce``, which XLA computes in the graph)."""
+    if _rank["exchange"] is not None and isinstance(inputs, torch.Tensor):
+        return torch_xla._XLAC._xla_all_reduce(reduce_type, inputs, scale, groups or [], pin_layout)
+    return _original["all_reduce"](reduce_type, inputs, scale, groups, pin_layout)
+
+
+_all_reduce_one_tensor_too.on_the_host = True
+
+
+def _share(name, tensors, arguments):
+    """Steps 1 and 2: every rank's ``tensors``, as CPU tensors, in rank order."""
+    device = torch_xla._XLAC._xla_get_default_device()
+    # reset_scope=False: the cut is inside the user's step, maybe inside a profiler scope.
+    torch_xla._XLAC._xla_step_marker(device, [], wait=False, reset_scope=False)
+    host = [t.contiguous() for t in torch_xla._XLAC._xla_get_cpu_tensors(tensors)]
+    call = describe(name, [*tensors, *arguments], {})
+    exchange = _rank["exchange"]
+    _rank["collectives"] += 1
+    number, step = _rank["collectives"], _rank["steps"]
+    frame = sys._getframe(2)
+    try:
+        calls, data = exchange.share(f"{step}\0{call}", [_bytes(t) for t in host])
+    except RankEnded as ended:
+        raise never_completes(
+            call, Caller(frame), number, step, ended.rank, ended.how, ended.cause
+        ) from ended.cause
+    calls = [tuple(text.split("\0", 1)) for text in calls]
+    if any(text != call for _, text in calls):
+        # Every rank sees the same calls: each shares where it made its call, then raises.
+        wheres, _ = exchange.share(str(Caller(frame)), [])
+        ranks = zip(calls, wheres, strict=True)
+        raise mismatch(number, [(step, text, where) for (step, text), where in ranks])
+    return [_tensors(shared, host) for shared in data]
+
+
+def _bytes(tensor):
+    return tensor.reshape(-1).view(torch.uint8).numpy()
+
+
+def _tensors(shared, like):
+    """The tensors in a rank's shared bytes, shaped as this rank's ``like``."""
+    tensors, offset = [], 0
+    for tensor in like:
+        size = tensor.numel() * tensor.element_size()
+        raw = torch.from_numpy(np.array(shared[offset : offset + size]))
+        tensors.append(raw.view(tensor.dtype).reshape(tensor.shape))
+        offset += size
+    return tensors
+
+
+def _group(groups):
+    """The ranks this rank's collective runs among, in the groups' order."""
+    rank = xr.global_ordinal()
+    if not groups:
+        return list(range(xr.world_size()))
+    for group in groups:
+        if rank in group:
+            return list(group)
+    raise ValueError(f"rank {rank} is in none of the replica groups {groups}")
+
+
+def _reduced(reduce_type, values, scale):
+    result = functools.reduce(_REDUCE[reduce_type], values)
+    if scale != 1.0:
+        result = result * torch.tensor(scale, dtype=result.dtype)
+    return result.to(values[0].dtype)
+
+
+def _to_device(tensors):
+    device = torch_xla.device()
+    return [tensor.to(device) for tensor in tensors]
+
+
+@torch.no_grad()
+def _write(outputs, results):
+    for output, result in zip(outputs, results, strict=True):
+        output.copy_(result)
+
+
+def _each(inputs, shared, group, compute):
+    """``compute(values)`` for each input, from the group members' copies of it."""
+    return [compute([shared[member][i] for member in group]) for i in range(len(inputs))]
+
+
+# The primitives, by their torch_xla signatures (init_python_bindings.cpp, v2.9.0).
+
+
+def all_reduce(reduce_type, inputs, scale, groups, pin_layout):
+    return all_reduce_list("all_reduce", reduce_type, [inputs], scale, groups)[0]
+
+
+def all_reduce_inplace(reduce_type, inputs, scale, groups, pin_layout):
+    results = all_reduce_list("all_reduce_inplace", reduce_type, inputs, scale, groups, host=True)
+    _write(inputs, results)
+
+
+def all_reduce_list(name, reduce_type, inputs, scale, groups, host=False):
+    shared = _share(name, inputs, [reduce_type, scale, groups])
+    group = _group(groups)
+    results = _each(inputs, shared, group, lambda values: _reduced(reduce_type, values, scale))
+    return results if host else _to_device(results)
+
+
+def _gathered(inputs, dim, groups, name, arguments):
+    shared = _share(name, inputs, arguments)
+    return _each(inputs, shared, _group(groups), lambda values: torch.cat(values, dim))
+
+
+def all_gather(input, dim, shard_count, groups, pin_layout, channel_id=None, ids=None):
+    return _to_device(_gathered([input], dim, groups, "all_gather", [dim, shard_count, groups]))[0]
+
+
+def all_gather_out(output, input, token, dim, shard_count, groups, pin_layout):
+    _write([output], _gathered([input], dim, groups, "all_gather", [dim, shard_count, groups]))
+    return token
+
+
+def all_gather_coalesced(tensors, token, dim, shard_count, groups, pin_layout):
+    arguments = [dim, shard_count, groups]
+    return [*_to_device(_gathered(tensors, dim, groups, "all_gather", arguments)), token]
+
+
+def all_gather_coalesced_out(outputs, inputs, token, dim, shard_count, groups, pin_layout):
+    _write(outputs, _gathered(inputs, dim, groups, "all_gather", [dim, shard_count, groups]))
+    return token
+
+
+def _scattered(reduce_type, inputs, scale, dim, shard_count, groups):
+    arguments = [reduce_type, scale, dim, shard_count, groups]
+    shared = _share("reduce_scatter", inputs, arguments)
+    group = _group(groups)
+    index = group.index(xr.global_ordinal())
+
+    def shard(values):
+        reduced = _reduced(reduce_type, values, scale)
+        size = reduced.shape[dim] // shard_count
+        return reduced.narrow(dim, index * size, size).contiguous()
+
+    return _each(inputs, shared, group, shard)
+
+
+def reduce_scatter(reduce_type, input, token, scale, dim, shard_count, groups, pin_layout, *ids):
+    return _to_device(_scattered(reduce_type, [input], scale, dim, shard_count, groups))[0], token
+
+
+def reduce_scatter_out(reduce_type, output, input, token, scale, dim, shard_count, groups, pin):
+    _write([output], _scattered(reduce_type, [input], scale, dim, shard_count, groups))
+    return token
+
+
+def reduce_scatter_coalesced(reduce_type, inputs, token, scale, dim, shard_count, groups, pin):
+    return [*_to_device(_scattered(reduce_type, inputs, scale, dim, shard_count, groups)), token]
+
+
+def reduce_scatter_coalesced_out(
+    reduce_type, outputs, inputs, token, scale, dim, shard_count, groups, pin
+):
+    _write(outputs, _scattered(reduce_type, inputs, scale, dim, shard_count, groups))
+    return token
+
+
+def all_to_all(input, token, split_dim, concat_dim, split_count, groups, pin_layout):
+    shared = _share("all_to_all", [input], [split_dim, concat_dim, split_count, groups])
+    group = _group(groups)
+    index = group.index(xr.global_ordinal())
+    size = input.shape[split_dim] // split_count
+    pieces = [shared[member][0].narrow(split_dim, index * size, size) for member in group]
+    return _to_device([torch.cat(pieces, concat_dim)])[0], token
+
+
+def collective_permute(input, token, pairs):
+    shared = _share("collective_permute", [input], [pairs])
+    rank = xr.global_ordinal()
+    sources = [source for source, target in pairs if target == rank]
+    result = shared[sources[0]][0].clone() if sources else torch.zeros_like(shared[rank][0])
+    return _to_device([result])[0], token
+
+
+_PRIMITIVES = {
+    "_xla_all_reduce": all_reduce,
+    "_xla_all_reduce_inplace": all_reduce_inplace,
+    "_xla_all_gather": all_gather,
+    "_xla_all_gather_out": all_gather_out,
+    "_xla_all_gather_coalesced": all_gather_coalesced,
+    "_xla_all_gather_coalesced_out": all_gather_coalesced_out,
+    "_xla_reduce_scatter": reduce_scatter,
+    "_xla_reduce_scatter_out": reduce_scatter_out,
+    "_xla_reduce_scatter_coalesced": reduce_scatter_coalesced,
+    "_xla_reduce_scatter_coalesced_out": reduce_scatter_coalesced_out,
+    "_xla_all_to_all": all_to_all,
+    "_xla_collective_permute": collective_permute,
+}

@@ -1,0 +1,256 @@
+"""How the processes of simulated cores exchange what their collectives carry: shared memory
+for the data, a ``torch.distributed.TCPStore`` served by the launching process to meet.
+
+Used only by the process layout (rank_processes.py). The launching process opens a
+``Meeting`` before ``xmp.spawn`` starts the ranks and closes it after: a TCPStore on the
+loopback and a small shared-memory directory. The ranks, forked or spawned, find both
+through the environment variable ``MEETING``. In a rank, ``Exchange.share(description,
+tensors)`` is one round of a collective:
+
+1. the rank writes its call's description and its tensors' bytes into its own
+   shared-memory segment, and their lengths into its slot of the directory;
+2. it waits until every rank has written (``_meet``: a counter in the store, then a key the
+   last rank to arrive sets);
+3. it reads every rank's description and bytes.
+
+Each rank writes the rounds into two segments in turn, so nothing waits after the reads: a
+rank writes a segment again two rounds later, after every rank has met it in the round
+between, and so has finished reading. A segment too small for a round is replaced by a
+larger one (its name's last number grows); the old one is unlinked at once.
+
+Point-to-point messages (``xm.send``, ``xm.recv``) go through the store (``post``, ``take``).
+
+A rank that ends says so in the store (``end``): the ranks waiting for it stop with
+``RankEnded``, naming it and carrying its exception when it can be pickled, as on the
+threads. A rank that is killed says nothing: the ranks waiting find its process gone (they
+look once a second). The launching process unlinks every segment of the meeting as it
+closes, those of killed ranks too.
+"""
+
+import contextlib
+import datetime
+import os
+import pickle
+import struct
+import uuid
+from multiprocessing import resource_tracker, shared_memory
+
+import numpy as np
+
+from tpunb.errors import RankEnded
+
+MEETING = "TPUNB_SIMULATION_MEETING"  # "host:port:prefix", set by the launching process
+_SLOT = struct.Struct("<qqqq")  # per rank and segment: generation, description, data, pid
+_LOOK_EVERY = datetime.timedelta(seconds=1)
+_SHM_DIRECTORY = "/dev/shm"
+
+
+def _untracked(name, create=False, size=0):
+    """A shared-memory segment that multiprocessing's resource tracker does not follow: its
+    owner is the meeting (Python 3.13's ``track=False``; before, registering is skipped)."""
+    try:
+        return shared_memory.SharedMemory(name, create=create, size=size, track=False)
+    except TypeError:  # Python < 3.13
+        register = resource_tracker.register
+        resource_tracker.register = lambda name, rtype: None
+        try:
+            return shared_memory.SharedMemory(name, create=create, size=size)
+        finally:
+            resource_tracker.register = register
+
+
+class Meeting:
+    """The launching process's side: where ``ranks`` processes meet, for one launch."""
+
+    def __init__(self, ranks):
+        from torch.distributed import TCPStore
+
+        self.prefix = f"tpunb-{uuid.uuid4().hex[:12]}"
+        self.store = TCPStore(
+            "127.0.0.1", 0, None, True, timeout=datetime.timedelta(days=1), wait_for_workers=False
+        )
+        self.directory = _untracked(self.prefix, create=True, size=_SLOT.size * 2 * ranks)
+        self.directory.buf[:] = bytes(self.directory.size)
+        self.address = f"127.0.0.1:{self.store.port}:{self.prefix}"
+
+    def close(self):
+        """Unlinks the meeting's segments, those that killed ranks left too."""
+        self.directory.close()
+        for name in os.listdir(_SHM_DIRECTORY):
+            if name.startswith(self.prefix):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join(_SHM_DIRECTORY, name))
+        del self.store
+
+
+@contextlib.contextmanager
+def meeting(ranks):
+    """A meeting for ``ranks`` processes, named in ``os.environ`` while it is open."""
+    opened = Meeting(ranks)
+    before = os.environ.get(MEETING)
+    os.environ[MEETING] = opened.address
+    try:
+        yield opened
+    finally:
+        if before is None:
+            os.environ.pop(MEETING, None)
+        else:
+            os.environ[MEETING] = before
+        opened.close()
+
+
+class Exchange:
+    """A rank's side of the meeting."""
+
+    def __init__(self, rank, ranks, address=None):
+        from torch.distributed import TCPStore
+
+        host, port, self.prefix = (address or os.environ[MEETING]).split(":")
+        self.rank, self.ranks = rank, ranks
+        self.store = TCPStore(host, int(port), None, False, timeout=datetime.timedelta(days=1))
+        self.directory = _untracked(self.prefix)
+        self.rounds = 0
+        self._own = [None, None]  # this rank's two segments
+        self._opened = {}  # name -> another rank's segment
+        self._write_slot(0, 0, 0, 0, os.getpid())
+
+    def _write_slot(self, segment, *values):
+        _SLOT.pack_into(self.directory.buf, _SLOT.size * (2 * self.rank + segment), *values)
+
+    def _read_slot(self, rank, segment):
+        return _SLOT.unpack_from(self.directory.buf, _SLOT.size * (2 * rank + segment))
+
+    def _name(self, rank, segment, generation):
+        return f"{self.prefix}-{rank}-{segment}-{generation}"
+
+    def share(self, description, arrays):
+        """One round: every rank's description (a str) and its ``arrays`` (numpy arrays of
+        bytes), each rank's in a list, in rank order. The arrays read are views of shared
+        memory, valid until this rank's next round but one: copy what is kept."""
+        self.rounds += 1
+        segment = self.rounds % 2
+        text = description.encode()
+        size = len(text) + sum(array.nbytes for array in arrays)
+        own = self._own[segment]
+        generation = self._read_slot(self.rank, segment)[0]
+        if own is None or own.size < size:
+            if own is not None:
+                own.close()
+                own.unlink()
+            generation += 1
+            own = _untracked(
+                self._name(self.rank, segment, generation), create=True, size=max(size, 4096) * 2
+            )
+            self._own[segment] = own
+        own.buf[: len(text)] = text
+        offset = len(text)
+        for array in arrays:
+            own.buf[offset : offset + array.nbytes] = array.reshape(-1).view(np.uint8)
+            offset += array.nbytes
+        self._write_slot(segment, generation, len(text), size - len(text), os.getpid())
+        self._meet()
+        descriptions, data = [], []
+        for rank in range(self.ranks):
+            generation, text_size, data_size, _ = self._read_slot(rank, segment)
+            buf = self._segment(rank, segment, generation).buf
+            descriptions.append(bytes(buf[:text_size]).decode())
+            data.append(np.frombuffer(buf, np.uint8, data_size, text_size))
+        return descriptions, data
+
+    def _segment(self, rank, segment, generation):
+        if rank == self.rank:
+            return self._own[segment]
+        name = self._name(rank, segment, generation)
+        if name not in self._opened:
+            for old in [key for key in self._opened if key.startswith(name.rpartition("-")[0])]:
+                with contextlib.suppress(BufferError):
+                    self._opened.pop(old).close()
+            self._opened[name] = _untracked(name)
+        return self._opened[name]
+
+    def _meet(self):
+        """Waits until every rank has arrived at this round; raises ``RankEnded`` if a rank
+        that has not arrived has ended."""
+        key = f"round-{self.rounds}"
+        if self.store.add(key, 1) == self.ranks:
+            self.store.set(key + "-met", b"")
+            if self.rounds > 2:
+                self.store.delete_key(f"round-{self.rounds - 2}")
+                self.store.delete_key(f"round-{self.rounds - 2}-met")
+            return
+        while True:
+            try:
+                self.store.wait([key + "-met"], _LOOK_EVERY)
+                return
+            except RuntimeError:  # a second without every rank: has one ended?
+                self._raise_if_one_ended()
+
+    def _raise_if_one_ended(self):
+        if self.store.check(["ended"]):
+            rank, how = self.store.get("ended").decode().split("\0", 1)
+            cause = None
+            if self.store.check(["ended-cause"]):
+                with contextlib.suppress(Exception):
+                    cause = pickle.loads(self.store.get("ended-cause"))
+            raise _ended(int(rank), how, cause)
+        for rank in range(self.ranks):
+            pid = self._read_slot(rank, 0)[3]
+            if pid and not _alive(pid):
+                raise _ended(rank, "was killed: its process exited", None)
+
+    def post(self, box, payload):
+        """Puts ``payload`` (bytes) last in the mailbox ``box``, which every rank reads."""
+        number = self.store.add(f"box-{box}-posted", 1)
+        self.store.set(f"box-{box}-{number}", payload)
+
+    def take(self, box):
+        """The first payload in the mailbox ``box`` that no rank has taken (waits for it)."""
+        key = f"box-{box}-{self.store.add(f'box-{box}-taken', 1)}"
+        while True:
+            try:
+                self.store.wait([key], _LOOK_EVERY)
+                break
+            except RuntimeError:
+                self._raise_if_one_ended()
+        payload = self.store.get(key)
+        self.store.delete_key(key)
+        return payload
+
+    def end(self, error):
+        """This rank returned (``error`` None) or raised ``error``: the ranks waiting for it
+        at a collective, and those that call one later, raise ``RankEnded``. The first rank
+        to end stays the cause."""
+        how = "returned" if error is None else f"raised {type(error).__name__}: {error}"
+        first = f"{self.rank}\0{how}"
+        if isinstance(error, RankEnded):
+            return
+        if self.store.compare_set("ended", "", first).decode() == first and error is not None:
+            with contextlib.suppress(Exception):
+                self.store.set("ended-cause", pickle.dumps(error))
+
+    def check_none_ended(self):
+        """Raises ``RankEnded`` now if another rank has ended (before a collective)."""
+        if self.store.check(["ended"]):
+            self._raise_if_one_ended()
+
+    def close(self):
+        for segment in [*self._opened.values(), *filter(None, self._own)]:
+            with contextlib.suppress(BufferError):
+                segment.close()
+        with contextlib.suppress(BufferError):
+            self.directory.close()
+
+
+def _ended(rank, how, cause):
+    error = RankEnded(f"rank {rank} has ended (it {how})", cause)
+    error.rank, error.how = rank, how
+    return error
+
+
+def _alive(pid):
+    """False once ``pid`` has exited (a zombie not yet reaped counts as exited)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rpartition(")")[2].split()[0] not in ("Z", "X")
+    except OSError:
+        return False

@@ -1,0 +1,114 @@
+"""The process layout: one process a simulated core, as on a TPU v5e-8 (8 processes of one
+chip each).
+
+Used only under ``tpunb.simulate(layout="processes")``. ``simulate`` describes a host whose
+processes hold one chip each (``TPU_PROCESS_BOUNDS``, tpu_answers.py), so torch_xla's own
+``xmp.spawn`` starts one process a core (``run_multiprocess``), forked or spawned. Here:
+
+- in the launching process, ``run_multiprocess`` opens the meeting the ranks' collectives
+  use (host_exchange.py) before the processes start, and closes it, unlinking what they
+  left, once they have ended;
+- in each rank process, before torch_xla's runtime starts: its runtime gets one CPU
+  device (``xla:0``), and torch_xla's world size and ordinal are set as a v5e-8 process's
+  are (torch_xla reads them from its runtime only where the runtime is the TPU's, whose
+  devices span the processes); ``xr.process_index()``, ``xr.process_count()`` and the
+  global device counts answer as there. torch's intra-op threads are the process's share
+  of the machine's CPUs. Then the rank joins the meeting, runs, and says when it ends, so
+  the ranks waiting for it at a collective stop with ``RankEnded`` (host_exchange.py).
+
+A rank process's metrics, counters, random generator, dynamo and torch.distributed state
+are its own, as on a TPU: nothing else is patched for them.
+"""
+
+import functools
+import os
+
+from tpunb import cores
+from tpunb.errors import RankEnded
+from tpunb.simulation import host_collectives, host_exchange, point_to_point, tpu_answers
+
+_PROCESS_RANK, _PROCESS_COUNT = "PJRT_LOCAL_PROCESS_RANK", "PJRT_LOCAL_PROCESS_COUNT"
+
+
+def install():
+    import torch_xla._internal.pjrt as pjrt
+    import torch_xla.runtime as xr
+
+    if getattr(pjrt.run_multiprocess, "opens_a_meeting", False):
+        return
+    pjrt.run_multiprocess = _meeting_around(pjrt.run_multiprocess)
+    pjrt._run_thread_per_device = _as_a_rank_process(pjrt._run_thread_per_device)
+    for name in ("process_index", "process_count", "global_device_count"):
+        setattr(xr, name, _as_on_a_v5e(name, getattr(xr, name)))
+    xr.global_runtime_device_count = xr.global_device_count
+    host_collectives.install()
+    point_to_point.install()
+
+
+def _meeting_around(run_multiprocess):
+    @functools.wraps(run_multiprocess)
+    def meeting_around(fn, *args, start_method="spawn", **kwargs):
+        from torch_xla._internal import tpu
+
+        if not cores.process_a_core():  # the threads layout's (rank_threads.py)
+            return run_multiprocess(fn, *args, start_method=start_method, **kwargs)
+        with host_exchange.meeting(tpu.num_local_processes()):
+            return run_multiprocess(fn, *args, start_method=start_method, **kwargs)
+
+    meeting_around.opens_a_meeting = True
+    return meeting_around
+
+
+def _as_a_rank_process(run_threads):
+    # Keeps the name: xmp.spawn sends it to its processes by name.
+    @functools.wraps(run_threads)
+    def run_thread_per_device(local_rank, local_world_size, fn, initializer_fn):
+        if not cores.process_a_core():  # the threads layout's (rank_threads.py)
+            return run_threads(local_rank, local_world_size, fn, initializer_fn)
+        import torch
+        import torch_xla.runtime as xr
+
+        tpu_answers.runtime_reads_cpu()  # one CPU device: this process's chip
+        xr._WORLD_SIZE, xr._ORDINAL = local_world_size, local_rank
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world_size))
+        exchange = host_exchange.Exchange(local_rank, local_world_size)
+        host_collectives.start(exchange)
+
+        @functools.wraps(fn)
+        def rank():
+            try:
+                result = fn()
+            except BaseException as error:
+                exchange.end(error)
+                raise
+            exchange.end(None)
+            return result
+
+        try:
+            results = run_threads(local_rank, local_world_size, rank, initializer_fn)
+            # Keyed by the device's ordinal in its process (0); on a TPU by its global one.
+            (result,) = results.values()
+            return {local_rank: result}
+        except RankEnded as stopped:
+            # As on the threads: xmp.spawn raises the lowest rank's exception, and the cause
+            # is the ended rank's.
+            if stopped.cause is None:
+                raise
+            raise stopped.cause from None
+        finally:
+            host_collectives.start(None)
+            exchange.close()
+
+    return run_thread_per_device
+
+
+def _as_on_a_v5e(name, original):
+    @functools.wraps(original)
+    def answer():
+        if _PROCESS_COUNT not in os.environ or host_collectives.exchange() is None:
+            return original()
+        if name == "process_index":
+            return int(os.environ[_PROCESS_RANK])
+        return int(os.environ[_PROCESS_COUNT])  # process_count, global_device_count
+
+    return answer
