@@ -11,8 +11,10 @@ and, for scale, one XLA CPU device trained on the global batch. The workload: 16
 samples, an MLP 64-512-512-10, a per-core batch of 32 (global 256), the ranks reading
 their shard through tpunb.shard in a tpunb.launch.
 
-The figures in brackets were measured on this workload before each collective became a
-graph of its own (2.37 s an epoch; docs/simulation.md, "What it costs").
+and JAX's own simulation of 8 host devices on the same workload, the speed anchor (when
+jax is installed: the [kaggle] extra has it, or pip install jax). The simulated cores run
+in both layouts (one process a core, and one process of 8 threads), and again, with JAX,
+pinned to one CPU (taskset -c 0), to show how the simulation uses the CPUs it has.
 
 Each side runs in its own Python process (each needs its own XLA runtime), one after
 another, alternating; a side's first epoch compiles and is not timed. The figures are
@@ -22,6 +24,8 @@ Run: python benchmarks/simulation.py [--epochs N] [--repeats N] [--batch N]
 
 import argparse
 import copy
+import functools
+import importlib.util
 import json
 import os
 import statistics
@@ -89,10 +93,10 @@ def _simulated_epochs(rank, epochs, loader):
     return _timed(epochs, epoch, xm.wait_device_ops)
 
 
-def simulated(epochs, batch):
+def simulated(epochs, batch, layout):
     import tpunb
 
-    tpunb.simulate(cores=CORES)
+    tpunb.simulate(cores=CORES, layout=layout)
     loader = DataLoader(DATASET, batch_size=batch, drop_last=True)
     per_rank = tpunb.launch(_simulated_epochs, epochs, loader, live=False)
     # An epoch ends with its slowest core.
@@ -167,11 +171,66 @@ def plain(epochs, batch):
     return _timed(epochs, _global_batch_epoch(batch, "cpu"))
 
 
-SIDES = {"simulated": simulated, "serial": serial, "one-device": one_device, "plain": plain}
+def jax_devices(epochs, batch):
+    """JAX's own simulation of 8 host devices (``--xla_force_host_platform_device_count``):
+    the same model, data, shards and SGD, the gradients averaged with ``pmean`` in
+    ``shard_map``, one jitted step a batch."""
+    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={CORES}"
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.experimental.shard_map import shard_map
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = Mesh(np.array(jax.devices("cpu")[:CORES]), ("core",))
+    params = [
+        (jnp.asarray(layer.weight.detach().numpy().T), jnp.asarray(layer.bias.detach().numpy()))
+        for layer in MODEL
+        if isinstance(layer, torch.nn.Linear)
+    ]
+
+    def loss(params, inputs, labels):
+        for weight, bias in params[:-1]:
+            inputs = jax.nn.relu(inputs @ weight + bias)
+        logits = inputs @ params[-1][0] + params[-1][1]
+        return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), labels[:, None], 1))
+
+    def core_step(params, inputs, labels):
+        grads = jax.lax.pmean(jax.grad(loss)(params, inputs, labels), "core")
+        return jax.tree.map(lambda p, g: p - 0.01 * g, params, grads)
+
+    step = jax.jit(shard_map(core_step, mesh, in_specs=(P(), P("core"), P("core")), out_specs=P()))
+    shards = NamedSharding(mesh, P("core"))
+    # Each batch holds every core's next per-core batch, core by core, as the samplers give.
+    loaders = [_loader(rank, batch) for rank in range(CORES)]
+
+    def epoch():
+        nonlocal params
+        for batches in zip(*loaders, strict=True):
+            inputs = np.concatenate([inputs.numpy() for inputs, _ in batches])
+            labels = np.concatenate([labels.numpy() for _, labels in batches])
+            params = step(params, jax.device_put(inputs, shards), jax.device_put(labels, shards))
+        jax.block_until_ready(params)
+
+    return _timed(epochs, epoch)
 
 
-def _run_side(name, epochs, batch):
+SIDES = {
+    "processes": functools.partial(simulated, layout="processes"),
+    "threads": functools.partial(simulated, layout="threads"),
+    "serial": serial,
+    "one-device": one_device,
+    "plain": plain,
+    "jax": jax_devices,
+}
+PINNED = ("processes", "threads", "jax")  # also run on one CPU (taskset -c 0)
+
+
+def _run_side(name, epochs, batch, pinned=False):
     command = [sys.executable, __file__, "--side", name, f"--epochs={epochs}", f"--batch={batch}"]
+    if pinned:
+        command = ["taskset", "-c", "0", *command]
     result = subprocess.run(command, capture_output=True, text=True, check=False)
     if result.returncode != 0:
         raise SystemExit(f"{name} failed:\n{result.stderr[-3000:]}")
@@ -188,26 +247,42 @@ def main():
     if options.side:
         print(json.dumps(SIDES[options.side](options.epochs, options.batch)))
         return
-    times = {name: [] for name in SIDES}
+    has_jax = importlib.util.find_spec("jax") is not None
+    sides = [name for name in SIDES if name != "jax" or has_jax]
+    runs = [(name, False) for name in sides] + [(name, True) for name in PINNED if name in sides]
+    times = {run: [] for run in runs}
     for _ in range(options.repeats):
-        for name in SIDES:
-            times[name] += _run_side(name, options.epochs, options.batch)
-    epoch = {name: statistics.median(values) for name, values in times.items()}
+        for name, pinned in runs:
+            times[name, pinned] += _run_side(name, options.epochs, options.batch, pinned)
+    epoch = {run: statistics.median(values) for run, values in times.items()}
     steps = len(DATASET) // (options.batch * CORES)
     print(
         f"an epoch: {steps} steps of {CORES} x {options.batch} samples; seconds, medians of "
-        f"{len(times['plain'])} epochs"
+        f"{len(times['plain', False])} epochs, on {os.cpu_count()} CPUs (one CPU: taskset -c 0)"
     )
-    print(
-        f"plain PyTorch, global batch {epoch['plain']:6.3f}   one XLA CPU device, global batch "
-        f"{epoch['one-device']:6.3f}   serial rank-steps {epoch['serial']:6.3f}   "
-        f"8 simulated cores {epoch['simulated']:6.3f}"
+    for name, pinned in runs:
+        print(f"  {name + (' on one CPU' if pinned else ''):24} {epoch[name, pinned]:6.3f}")
+    processes, threads = epoch["processes", False], epoch["threads", False]
+    serial, plain = epoch["serial", False], epoch["plain", False]
+    one_cpu = {name: epoch[name, False] / epoch[name, True] for name in PINNED if name in sides}
+    print("8 simulated cores, one process a core (in brackets: one process of 8 threads)")
+    if has_jax:
+        jax = epoch["jax", False]
+        _ratio("/ JAX's 8 host devices", processes / jax, threads / jax, "<= 2.0")
+    else:
+        print("  / JAX's 8 host devices: jax is not installed (pip install jax)")
+    jax_one_cpu = f"; JAX {one_cpu['jax']:.2f}" if has_jax else ""
+    _ratio(
+        "/ the same on one CPU", one_cpu["processes"], one_cpu["threads"], "<= 0.6" + jax_one_cpu
     )
-    print(
-        f"8 simulated cores / serial rank-steps {epoch['simulated'] / epoch['serial']:5.2f} "
-        f"(before: 1.04)   / plain PyTorch "
-        f"{epoch['simulated'] / epoch['plain']:5.2f} (before: 6.3)"
-    )
+    _ratio("/ serial rank-steps", processes / serial, threads / serial, "<= 0.8")
+    _ratio("/ the threads layout", processes / threads, None, "<= 1.2")
+    _ratio("/ plain PyTorch", processes / plain, threads / plain, "")
+
+
+def _ratio(what, processes, threads, target):
+    threads = f"({threads:5.2f})" if threads is not None else " " * 7
+    print(f"  {what:28} {processes:5.2f} {threads}  {'target ' + target if target else ''}")
 
 
 if __name__ == "__main__":

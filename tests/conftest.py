@@ -30,9 +30,24 @@ def restore_environment():
 
 @pytest.fixture
 def cores8():
-    """8 TPU cores simulated on the CPU with the real torch_xla."""
+    """8 TPU cores simulated on the CPU with the real torch_xla, in the layout that
+    follows the machine (one process of threads on fewer than 8 CPUs)."""
     tpunb.simulate(cores=8)
     return 8
+
+
+@pytest.fixture
+def cores8_processes():
+    """8 TPU cores simulated in 8 processes, as a TPU v5e-8 runs them."""
+    tpunb.simulate(cores=8, layout="processes")
+    return 8
+
+
+@pytest.fixture(params=["processes", "threads"])
+def cores8_each_layout(request):
+    """8 simulated TPU cores in each layout: a process a core, and one process of threads."""
+    tpunb.simulate(cores=8, layout=request.param)
+    return request.param
 
 
 def launch_leftovers():

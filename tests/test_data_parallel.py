@@ -75,7 +75,7 @@ def _train_on_one_device(model, dataset, optimizer, shuffle):
 
 
 @pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
-def test_8_cores_match_single_device_training_on_the_global_batch(cores8, optimizer):
+def test_8_cores_match_single_device_training_on_the_global_batch(cores8_each_layout, optimizer):
     dataset, model = _problem()
     states = tpunb.launch(_train_on_every_core, model, dataset, optimizer, shuffle=False)
     reference = in_forked_process(_train_on_one_device, model, dataset, optimizer, False)

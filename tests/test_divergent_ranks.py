@@ -25,7 +25,7 @@ def _rank_dependent_work_around_a_collective(rank):
     return after.tolist()
 
 
-def test_rank_dependent_numbers_and_reads_before_sync_work_as_on_a_tpu(cores8):
+def test_rank_dependent_numbers_and_reads_before_sync_work_as_on_a_tpu(cores8_each_layout):
     start = time.monotonic()
     results = tpunb.launch(_rank_dependent_work_around_a_collective)
     assert time.monotonic() - start < 10
@@ -52,7 +52,7 @@ def _last_batch_smaller_on_rank_3(rank, other_collective):
 
 @pytest.mark.parametrize("other_collective", [False, True], ids=["shape", "collective"])
 def test_ranks_making_different_collective_calls_stop_at_once_with_the_cause(
-    cores8, no_children_left, other_collective
+    cores8_each_layout, no_children_left, other_collective
 ):
     start = time.monotonic()
     with pytest.raises(tpunb.RankError) as caught:

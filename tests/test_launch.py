@@ -280,7 +280,9 @@ def _skips_a_collective(rank, blocks):
     return rank
 
 
-def test_a_hang_is_reported_with_steps_and_stacks_then_stopped(cores8, no_children_left):
+def test_a_hang_is_reported_with_steps_and_stacks_then_stopped(
+    cores8_each_layout, no_children_left
+):
     start = time.monotonic()
     with pytest.raises(tpunb.RankError) as caught:
         tpunb.launch(_skips_a_collective, True, hang_timeout=2)
@@ -293,10 +295,13 @@ def test_a_hang_is_reported_with_steps_and_stacks_then_stopped(cores8, no_childr
     assert "rank 3: after step 1, in File" in str(error) and "in _skips_a_collective" in str(error)
     assert "time.sleep(600)" not in error.stacks[3]  # faulthandler gives lines, not source
     assert "_skips_a_collective" in error.stacks[3]
-    assert all("tpunb/simulation/collectives.py" in error.stacks[r] for r in others)
+    waits_in = {"threads": "collectives.py", "processes": "host_exchange.py"}[cores8_each_layout]
+    assert all(f"tpunb/simulation/{waits_in}" in error.stacks[r] for r in others)
 
 
-def test_a_rank_that_ends_before_a_collective_stops_the_others_at_once(cores8, no_children_left):
+def test_a_rank_that_ends_before_a_collective_stops_the_others_at_once(
+    cores8_each_layout, no_children_left
+):
     # On a TPU the others would wait for rank 3 forever; the simulation knows it has ended.
     start = time.monotonic()
     with pytest.raises(tpunb.RankError) as caught:

@@ -32,6 +32,9 @@ class RankEnded(TpunbError):
         super().__init__(message)
         self.cause = cause
 
+    def __reduce__(self):  # sent between processes (the process layout, xmp.spawn's pool)
+        return type(self), (str(self), self.cause)
+
 
 class TpunbWarning(UserWarning):
     """Something will work, but slowly or riskily; the message says what to change."""

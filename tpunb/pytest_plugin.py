@@ -14,7 +14,7 @@ import pytest
 
 _SIMULATE_IN_KERNEL = """\
 import tpunb.simulation as __tpunb_simulation
-__tpunb_simulation.simulate(cores={cores}, instead_of_tpu={instead_of_tpu})
+__tpunb_simulation.simulate(cores={cores}, instead_of_tpu={instead_of_tpu}, layout={layout!r})
 del __tpunb_simulation
 """
 
@@ -28,6 +28,14 @@ def pytest_addoption(parser):
         default=None,
         help="simulate N TPU cores on the CPU, in the tests and in every notebook kernel "
         "nbval starts (--nbval), with the real torch_xla",
+    )
+    group.addoption(
+        "--tpunb-layout",
+        choices=("processes", "threads"),
+        default=None,
+        help="with --tpunb-simulate: one process a core, as on a TPU v5e-8 (processes), or "
+        "every core a thread of one process (threads); default: processes where the "
+        "machine has a CPU a core",
     )
     group.addoption(
         "--tpunb-instead-of-tpu",
@@ -44,7 +52,11 @@ def pytest_configure(config):
     from tpunb.simulation import simulate
 
     try:
-        simulate(cores=cores, instead_of_tpu=config.getoption("tpunb_instead_of_tpu"))
+        simulate(
+            cores=cores,
+            instead_of_tpu=config.getoption("tpunb_instead_of_tpu"),
+            layout=config.getoption("tpunb_layout"),
+        )
     except TpunbError as error:
         raise pytest.UsageError(f"--tpunb-simulate={cores}: {error}") from None
 
@@ -58,7 +70,9 @@ def pytest_runtest_setup(item):
     if cores is None or kernel is None or getattr(notebook, "tpunb_simulated", None) is kernel:
         return
     code = _SIMULATE_IN_KERNEL.format(
-        cores=cores, instead_of_tpu=item.config.getoption("tpunb_instead_of_tpu")
+        cores=cores,
+        instead_of_tpu=item.config.getoption("tpunb_instead_of_tpu"),
+        layout=item.config.getoption("tpunb_layout"),
     )
     error = _run_in_kernel(kernel, code)
     if error:

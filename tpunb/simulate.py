@@ -29,6 +29,13 @@ def main(argv=None):
         action="store_true",
         help="simulate even on a machine with a TPU (on its CPU, far slower)",
     )
+    parser.add_argument(
+        "--layout",
+        choices=simulation.LAYOUTS,
+        default=None,
+        help="processes: one process a core, as on a TPU v5e-8; threads: every core a "
+        "thread of one process (default: processes where the machine has a CPU a core)",
+    )
     parser.add_argument("-m", dest="module", help="run a module, as python -m does")
     parser.add_argument("script", nargs="?", help="the script to run, as python would")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="the script's arguments")
@@ -44,7 +51,9 @@ def main(argv=None):
     if options.module is None and not os.path.isfile(options.script):
         parser.error(f"no such script: {options.script}")
     try:
-        simulation.simulate(cores=options.cores, instead_of_tpu=options.instead_of_tpu)
+        simulation.simulate(
+            cores=options.cores, instead_of_tpu=options.instead_of_tpu, layout=options.layout
+        )
     except TpunbError as error:
         parser.exit(2, f"python -m tpunb.simulate: {error}\n")
     if options.module is not None:

@@ -145,14 +145,18 @@ def _where(stack):
     if not frames:
         return "no Python stack (inside native code, or the process is gone)"
     innermost = next((f for f in frames if "/threading.py" not in f), frames[0])
-    if f'"{_COLLECTIVES}"' in innermost:
+    if any(f'"{waits}"' in innermost for waits in _COLLECTIVES):
         return "waiting in a collective for the other ranks"
     return f"in {innermost}"
 
 
-# Where the simulation's ranks wait for each other (found, not imported: it imports
-# torch_xla; a rename fails here, at import, instead of silently in a hang report).
-_COLLECTIVES = importlib.util.find_spec("tpunb.simulation.collectives").origin
+# Where the simulation's ranks wait for each other, in either layout (found, not imported:
+# they import torch_xla; a rename fails here, at import, instead of silently in a hang
+# report).
+_COLLECTIVES = [
+    importlib.util.find_spec(f"tpunb.simulation.{name}").origin
+    for name in ("collectives", "host_exchange")
+]
 
 
 def span(ranks):

@@ -33,12 +33,13 @@ _COMPILE_LEVEL_FLAG = "--xla_backend_optimization_level"
 LAYOUTS = ("processes", "threads")
 
 
-def simulate(cores=8, instead_of_tpu=False, layout="threads"):
+def simulate(cores=8, instead_of_tpu=False, layout=None):
     """Simulate a TPU with ``cores`` cores on this machine's CPU, for every later launch.
 
     ``layout="processes"`` runs each core's rank in a process of its own, as a TPU v5e-8
     does (each rank sees its own ``xla:0``, metrics and random generator);
-    ``layout="threads"`` runs every rank as a thread of one process.
+    ``layout="threads"`` runs every rank as a thread of one process. ``None`` follows the
+    machine (``default_layout``).
 
     torch_xla's runtime gets its CPU client with ``cores`` devices, while what Python asks
     about the hardware answers a TPU v5e (``tpu_answers.py``), and collectives between the
@@ -51,6 +52,7 @@ def simulate(cores=8, instead_of_tpu=False, layout="threads"):
     e.g. to watch 8 cores on Colab's one-core TPU. A new kernel uses the TPU again.
     """
     count = check_count(cores, "simulate(cores=...)", "cores", 8)
+    layout = default_layout(count) if layout is None else layout
     if layout not in LAYOUTS:
         raise TpunbError(
             f"simulate(layout={layout!r}): the layout is 'processes' (one process a core, as "
@@ -100,6 +102,17 @@ def simulate(cores=8, instead_of_tpu=False, layout="threads"):
     lightning.install()
     core_layout.set_simulated(count, processes)
     return env()
+
+
+def default_layout(cores):
+    """The layout ``simulate`` takes when none is given: a process a core where the machine
+    has a CPU for each, else one process of threads. Each process compiles every graph it
+    meets (the CPU client cannot load a compiled graph another process wrote: torch_xla's
+    persistent cache fails there with "Deserializing serialized executable not supported"),
+    so on a machine of fewer CPUs than cores the processes compile the same graphs in turn:
+    on 2 CPUs the suite took 1.6 times as long, an epoch of the small workload 1.3 times
+    (docs/simulation.md, "Which layout")."""
+    return "processes" if len(os.sched_getaffinity(0)) >= cores else "threads"
 
 
 def _install_threads():

@@ -21,9 +21,9 @@ came: the host has already ordered them.
 """
 
 import functools
+import inspect
 import sys
 
-import numpy as np
 import torch
 import torch_xla
 import torch_xla.core.xla_model as xm
@@ -48,13 +48,13 @@ _original = {}
 def install():
     """Replaces the collective primitives and xm.all_reduce in this process; they act as
     before outside a rank process (``start``)."""
-    if getattr(xm.all_reduce, "on_the_host", False):
+    if "all_reduce" in _original:
         return
     for name, implementation in _PRIMITIVES.items():
         _original[name] = getattr(torch_xla._XLAC, name)
         setattr(torch_xla._XLAC, name, _in_ranks(name, implementation))
     _original["all_reduce"] = xm.all_reduce
-    xm.all_reduce = _all_reduce_one_tensor_too
+    xm.all_reduce = functools.wraps(xm.all_reduce)(_all_reduce_one_tensor_too)
     step_hooks.add(after=_step_ended)
 
 
@@ -75,35 +75,48 @@ def _step_ended(caller):
 def _in_ranks(name, implementation):
     original = _original[name]
 
-    # torch.compile runs the call between the graphs it compiles (torch._dynamo.disable).
-    @torch._dynamo.disable
     @functools.wraps(original)
     def primitive(*args, **kwargs):
         if _rank["exchange"] is None:
             return original(*args, **kwargs)
-        return implementation(*args, **kwargs)
+        return _on_the_host(name, implementation, args, kwargs)
 
     return primitive
 
 
-def _all_reduce_one_tensor_too(reduce_type, inputs, scale=1.0, groups=None, pin_layout=True):
+# torch.compile runs the call between the graphs it compiles (torch._dynamo.disable). Only
+# here: the threads layout's collectives, wrapped around a dynamo-disabled primitive that
+# passes the call on, aborted in XLA's rendezvous (reduce_scatter, all_to_all).
+@torch._dynamo.disable
+def _on_the_host(name, implementation, args, kwargs):
+    if _rank.get("call") is None:  # as the threads layout describes it (collectives.py)
+        _rank["call"] = describe(name, args, kwargs)
+    try:
+        return implementation(*args, **kwargs)
+    finally:
+        _rank["call"] = None
+
+
+def _all_reduce_one_tensor_too(reduce_type, inputs, *args, **kwargs):
     """xm.all_reduce: one tensor goes to ``_xla_all_reduce`` (upstream it may go to
     ``torch.ops._c10d_functional.all_reduce``, which XLA computes in the graph)."""
-    if _rank["exchange"] is not None and isinstance(inputs, torch.Tensor):
-        return torch_xla._XLAC._xla_all_reduce(reduce_type, inputs, scale, groups or [], pin_layout)
-    return _original["all_reduce"](reduce_type, inputs, scale, groups, pin_layout)
+    if _rank["exchange"] is None or not isinstance(inputs, torch.Tensor):
+        return _original["all_reduce"](reduce_type, inputs, *args, **kwargs)
+    given = inspect.signature(_original["all_reduce"]).bind(reduce_type, inputs, *args, **kwargs)
+    given.apply_defaults()
+    scale, groups, pin_layout = (given.arguments[k] for k in ("scale", "groups", "pin_layout"))
+    _rank["call"] = describe("all_reduce", (reduce_type, inputs, *args), kwargs)
+    return torch_xla._XLAC._xla_all_reduce(reduce_type, inputs, scale, groups or [], pin_layout)
 
 
-_all_reduce_one_tensor_too.on_the_host = True
 
-
-def _share(name, tensors, arguments):
+def _share(tensors):
     """Steps 1 and 2: every rank's ``tensors``, as CPU tensors, in rank order."""
     device = torch_xla._XLAC._xla_get_default_device()
     # reset_scope=False: the cut is inside the user's step, maybe inside a profiler scope.
     torch_xla._XLAC._xla_step_marker(device, [], wait=False, reset_scope=False)
     host = [t.contiguous() for t in torch_xla._XLAC._xla_get_cpu_tensors(tensors)]
-    call = describe(name, [*tensors, *arguments], {})
+    call = _rank["call"]
     exchange = _rank["exchange"]
     _rank["collectives"] += 1
     number, step = _rank["collectives"], _rank["steps"]
@@ -128,11 +141,12 @@ def _bytes(tensor):
 
 
 def _tensors(shared, like):
-    """The tensors in a rank's shared bytes, shaped as this rank's ``like``."""
+    """The tensors in a rank's shared bytes, shaped as this rank's ``like``: views of the
+    shared memory, to be read before this rank's next round but one."""
     tensors, offset = [], 0
     for tensor in like:
         size = tensor.numel() * tensor.element_size()
-        raw = torch.from_numpy(np.array(shared[offset : offset + size]))
+        raw = torch.from_numpy(shared[offset : offset + size])  # shared memory, not a copy
         tensors.append(raw.view(tensor.dtype).reshape(tensor.shape))
         offset += size
     return tensors
@@ -150,20 +164,26 @@ def _group(groups):
 
 
 def _reduced(reduce_type, values, scale):
-    result = functools.reduce(_REDUCE[reduce_type], values)
+    """The ranks' ``values`` reduced in rank order, into a new tensor."""
+    result, reduce = values[0].clone(), _REDUCE[reduce_type]
+    for value in values[1:]:
+        reduce(result, value, out=result)
     if scale != 1.0:
         result = result * torch.tensor(scale, dtype=result.dtype)
     return result.to(values[0].dtype)
 
 
 def _to_device(tensors):
-    device = torch_xla.device()
-    return [tensor.to(device) for tensor in tensors]
+    """The host ``tensors`` on this rank's device, in one transfer."""
+    device = torch_xla._XLAC._xla_get_default_device()
+    return torch_xla._XLAC._xla_tensors_from_aten(tensors, [device] * len(tensors), None)
 
 
 @torch.no_grad()
 def _write(outputs, results):
-    for output, result in zip(outputs, results, strict=True):
+    """Each of ``outputs`` holds its result, in place (through torch's ``copy_``, so views,
+    aliases and a parameter's version counter see it), from one transfer."""
+    for output, result in zip(outputs, _to_device(results), strict=True):
         output.copy_(result)
 
 
@@ -176,48 +196,42 @@ def _each(inputs, shared, group, compute):
 
 
 def all_reduce(reduce_type, inputs, scale, groups, pin_layout):
-    return all_reduce_list("all_reduce", reduce_type, [inputs], scale, groups)[0]
+    return _to_device(_all_reduced(reduce_type, [inputs], scale, groups))[0]
 
 
 def all_reduce_inplace(reduce_type, inputs, scale, groups, pin_layout):
-    results = all_reduce_list("all_reduce_inplace", reduce_type, inputs, scale, groups, host=True)
-    _write(inputs, results)
+    _write(inputs, _all_reduced(reduce_type, inputs, scale, groups))
 
 
-def all_reduce_list(name, reduce_type, inputs, scale, groups, host=False):
-    shared = _share(name, inputs, [reduce_type, scale, groups])
-    group = _group(groups)
-    results = _each(inputs, shared, group, lambda values: _reduced(reduce_type, values, scale))
-    return results if host else _to_device(results)
+def _all_reduced(reduce_type, inputs, scale, groups):
+    reduce = functools.partial(_reduced, reduce_type, scale=scale)
+    return _each(inputs, _share(inputs), _group(groups), reduce)
 
 
-def _gathered(inputs, dim, groups, name, arguments):
-    shared = _share(name, inputs, arguments)
-    return _each(inputs, shared, _group(groups), lambda values: torch.cat(values, dim))
+def _gathered(inputs, dim, groups):
+    return _each(inputs, _share(inputs), _group(groups), lambda values: torch.cat(values, dim))
 
 
 def all_gather(input, dim, shard_count, groups, pin_layout, channel_id=None, ids=None):
-    return _to_device(_gathered([input], dim, groups, "all_gather", [dim, shard_count, groups]))[0]
+    return _to_device(_gathered([input], dim, groups))[0]
 
 
 def all_gather_out(output, input, token, dim, shard_count, groups, pin_layout):
-    _write([output], _gathered([input], dim, groups, "all_gather", [dim, shard_count, groups]))
+    _write([output], _gathered([input], dim, groups))
     return token
 
 
 def all_gather_coalesced(tensors, token, dim, shard_count, groups, pin_layout):
-    arguments = [dim, shard_count, groups]
-    return [*_to_device(_gathered(tensors, dim, groups, "all_gather", arguments)), token]
+    return [*_to_device(_gathered(tensors, dim, groups)), token]
 
 
 def all_gather_coalesced_out(outputs, inputs, token, dim, shard_count, groups, pin_layout):
-    _write(outputs, _gathered(inputs, dim, groups, "all_gather", [dim, shard_count, groups]))
+    _write(outputs, _gathered(inputs, dim, groups))
     return token
 
 
 def _scattered(reduce_type, inputs, scale, dim, shard_count, groups):
-    arguments = [reduce_type, scale, dim, shard_count, groups]
-    shared = _share("reduce_scatter", inputs, arguments)
+    shared = _share(inputs)
     group = _group(groups)
     index = group.index(xr.global_ordinal())
 
@@ -250,7 +264,7 @@ def reduce_scatter_coalesced_out(
 
 
 def all_to_all(input, token, split_dim, concat_dim, split_count, groups, pin_layout):
-    shared = _share("all_to_all", [input], [split_dim, concat_dim, split_count, groups])
+    shared = _share([input])
     group = _group(groups)
     index = group.index(xr.global_ordinal())
     size = input.shape[split_dim] // split_count
@@ -259,7 +273,7 @@ def all_to_all(input, token, split_dim, concat_dim, split_count, groups, pin_lay
 
 
 def collective_permute(input, token, pairs):
-    shared = _share("collective_permute", [input], [pairs])
+    shared = _share([input])
     rank = xr.global_ordinal()
     sources = [source for source, target in pairs if target == rank]
     result = shared[sources[0]][0].clone() if sources else torch.zeros_like(shared[rank][0])

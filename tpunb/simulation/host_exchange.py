@@ -20,11 +20,12 @@ larger one (its name's last number grows); the old one is unlinked at once.
 
 Point-to-point messages (``xm.send``, ``xm.recv``) go through the store (``post``, ``take``).
 
-A rank that ends says so in the store (``end``): the ranks waiting for it stop with
-``RankEnded``, naming it and carrying its exception when it can be pickled, as on the
-threads. A rank that is killed says nothing: the ranks waiting find its process gone (they
-look once a second). The launching process unlinks every segment of the meeting as it
-closes, those of killed ranks too.
+A rank that ends says so in the store (``end``), and sets the key of the round it will
+never reach: the ranks waiting there stop with ``RankEnded``, naming it and carrying its
+exception when it can be pickled, as on the threads. A rank that is killed says nothing:
+the meeting, which looks at the rank processes twice a second, says it for it. The
+launching process unlinks every segment of the meeting as it closes, those of killed ranks
+too.
 """
 
 import contextlib
@@ -32,6 +33,8 @@ import datetime
 import os
 import pickle
 import struct
+import threading
+import time
 import uuid
 from multiprocessing import resource_tracker, shared_memory
 
@@ -40,8 +43,14 @@ import numpy as np
 from tpunb.errors import RankEnded
 
 MEETING = "TPUNB_SIMULATION_MEETING"  # "host:port:prefix", set by the launching process
-_SLOT = struct.Struct("<qqqq")  # per rank and segment: generation, description, data, pid
-_LOOK_EVERY = datetime.timedelta(seconds=1)
+# The directory, per rank: for each of its two segments the generation and the lengths of
+# the description and data in it; then its pid, its rounds so far and whether it has ended.
+_SEGMENT = struct.Struct("<qqq")
+_STATE = struct.Struct("<qqq")
+_RANK_SIZE = 2 * _SEGMENT.size + _STATE.size
+_ENDED = b"ended"  # a round's key set to this: a rank will never arrive
+_LOOK_EVERY = 0.5  # seconds between the meeting's looks at the rank processes
+_POLL = 0.005  # seconds between a recv's looks at its mailbox
 _SHM_DIRECTORY = "/dev/shm"
 
 
@@ -69,12 +78,29 @@ class Meeting:
         self.store = TCPStore(
             "127.0.0.1", 0, None, True, timeout=datetime.timedelta(days=1), wait_for_workers=False
         )
-        self.directory = _untracked(self.prefix, create=True, size=_SLOT.size * 2 * ranks)
+        self.directory = _untracked(self.prefix, create=True, size=_RANK_SIZE * ranks)
         self.directory.buf[:] = bytes(self.directory.size)
         self.address = f"127.0.0.1:{self.store.port}:{self.prefix}"
+        self.ranks = ranks
+        self._closed = threading.Event()
+        self._watch = threading.Thread(target=self._watch_the_ranks, daemon=True)
+        self._watch.start()
+
+    def _watch_the_ranks(self):
+        """A rank process that exits before its rank ended (killed) says nothing: the ranks
+        waiting for it are told here, as if it had ended."""
+        told = set()
+        while not self._closed.wait(_LOOK_EVERY):
+            for rank in range(self.ranks):
+                pid, rounds, ended = _state(self.directory, rank)
+                if pid and not ended and rank not in told and not _alive(pid):
+                    told.add(rank)
+                    _tell_the_others(self.store, rank, rounds, "was killed: its process exited")
 
     def close(self):
         """Unlinks the meeting's segments, those that killed ranks left too."""
+        self._closed.set()
+        self._watch.join()
         self.directory.close()
         for name in os.listdir(_SHM_DIRECTORY):
             if name.startswith(self.prefix):
@@ -112,13 +138,19 @@ class Exchange:
         self.rounds = 0
         self._own = [None, None]  # this rank's two segments
         self._opened = {}  # name -> another rank's segment
-        self._write_slot(0, 0, 0, 0, os.getpid())
+        self._write_state(0)
 
-    def _write_slot(self, segment, *values):
-        _SLOT.pack_into(self.directory.buf, _SLOT.size * (2 * self.rank + segment), *values)
+    def _write_segment(self, segment, *values):
+        _SEGMENT.pack_into(
+            self.directory.buf, _RANK_SIZE * self.rank + _SEGMENT.size * segment, *values
+        )
 
-    def _read_slot(self, rank, segment):
-        return _SLOT.unpack_from(self.directory.buf, _SLOT.size * (2 * rank + segment))
+    def _read_segment(self, rank, segment):
+        return _SEGMENT.unpack_from(self.directory.buf, _RANK_SIZE * rank + _SEGMENT.size * segment)
+
+    def _write_state(self, ended):
+        offset = _RANK_SIZE * self.rank + 2 * _SEGMENT.size
+        _STATE.pack_into(self.directory.buf, offset, os.getpid(), self.rounds, ended)
 
     def _name(self, rank, segment, generation):
         return f"{self.prefix}-{rank}-{segment}-{generation}"
@@ -132,7 +164,7 @@ class Exchange:
         text = description.encode()
         size = len(text) + sum(array.nbytes for array in arrays)
         own = self._own[segment]
-        generation = self._read_slot(self.rank, segment)[0]
+        generation = self._read_segment(self.rank, segment)[0]
         if own is None or own.size < size:
             if own is not None:
                 own.close()
@@ -147,11 +179,12 @@ class Exchange:
         for array in arrays:
             own.buf[offset : offset + array.nbytes] = array.reshape(-1).view(np.uint8)
             offset += array.nbytes
-        self._write_slot(segment, generation, len(text), size - len(text), os.getpid())
+        self._write_segment(segment, generation, len(text), size - len(text))
+        self._write_state(0)
         self._meet()
         descriptions, data = [], []
         for rank in range(self.ranks):
-            generation, text_size, data_size, _ = self._read_slot(rank, segment)
+            generation, text_size, data_size = self._read_segment(rank, segment)
             buf = self._segment(rank, segment, generation).buf
             descriptions.append(bytes(buf[:text_size]).decode())
             data.append(np.frombuffer(buf, np.uint8, data_size, text_size))
@@ -170,33 +203,26 @@ class Exchange:
 
     def _meet(self):
         """Waits until every rank has arrived at this round; raises ``RankEnded`` if a rank
-        that has not arrived has ended."""
+        that has not arrived has ended (it, or the meeting for a killed one, sets the round's
+        key to say so)."""
         key = f"round-{self.rounds}"
         if self.store.add(key, 1) == self.ranks:
-            self.store.set(key + "-met", b"")
+            self.store.compare_set(key + "-met", "", b"")
             if self.rounds > 2:
                 self.store.delete_key(f"round-{self.rounds - 2}")
                 self.store.delete_key(f"round-{self.rounds - 2}-met")
             return
-        while True:
-            try:
-                self.store.wait([key + "-met"], _LOOK_EVERY)
-                return
-            except RuntimeError:  # a second without every rank: has one ended?
-                self._raise_if_one_ended()
+        self.store.wait([key + "-met"])
+        if self.store.get(key + "-met") == _ENDED:
+            self._raise_the_ended()
 
-    def _raise_if_one_ended(self):
-        if self.store.check(["ended"]):
-            rank, how = self.store.get("ended").decode().split("\0", 1)
-            cause = None
-            if self.store.check(["ended-cause"]):
-                with contextlib.suppress(Exception):
-                    cause = pickle.loads(self.store.get("ended-cause"))
-            raise _ended(int(rank), how, cause)
-        for rank in range(self.ranks):
-            pid = self._read_slot(rank, 0)[3]
-            if pid and not _alive(pid):
-                raise _ended(rank, "was killed: its process exited", None)
+    def _raise_the_ended(self):
+        rank, how = self.store.get("ended").decode().split("\0", 1)
+        cause = None
+        if self.store.check(["ended-cause"]):
+            with contextlib.suppress(Exception):
+                cause = pickle.loads(self.store.get("ended-cause"))
+        raise _ended(int(rank), how, cause)
 
     def post(self, box, payload):
         """Puts ``payload`` (bytes) last in the mailbox ``box``, which every rank reads."""
@@ -206,12 +232,12 @@ class Exchange:
     def take(self, box):
         """The first payload in the mailbox ``box`` that no rank has taken (waits for it)."""
         key = f"box-{box}-{self.store.add(f'box-{box}-taken', 1)}"
-        while True:
-            try:
-                self.store.wait([key], _LOOK_EVERY)
-                break
-            except RuntimeError:
-                self._raise_if_one_ended()
+        while not self.store.check([key]):
+            # A sender may be any rank: the wait is hopeless once every other rank has ended.
+            others = [rank for rank in range(self.ranks) if rank != self.rank]
+            if all(_state(self.directory, rank)[2] for rank in others):
+                self._raise_the_ended()
+            time.sleep(_POLL)
         payload = self.store.get(key)
         self.store.delete_key(key)
         return payload
@@ -220,18 +246,14 @@ class Exchange:
         """This rank returned (``error`` None) or raised ``error``: the ranks waiting for it
         at a collective, and those that call one later, raise ``RankEnded``. The first rank
         to end stays the cause."""
-        how = "returned" if error is None else f"raised {type(error).__name__}: {error}"
-        first = f"{self.rank}\0{how}"
+        self._write_state(1)
         if isinstance(error, RankEnded):
             return
-        if self.store.compare_set("ended", "", first).decode() == first and error is not None:
+        how = "returned" if error is None else f"raised {type(error).__name__}: {error}"
+        if error is not None:
             with contextlib.suppress(Exception):
-                self.store.set("ended-cause", pickle.dumps(error))
-
-    def check_none_ended(self):
-        """Raises ``RankEnded`` now if another rank has ended (before a collective)."""
-        if self.store.check(["ended"]):
-            self._raise_if_one_ended()
+                self.store.compare_set("ended-cause", "", pickle.dumps(error))
+        _tell_the_others(self.store, self.rank, self.rounds, how)
 
     def close(self):
         for segment in [*self._opened.values(), *filter(None, self._own)]:
@@ -239,6 +261,19 @@ class Exchange:
                 segment.close()
         with contextlib.suppress(BufferError):
             self.directory.close()
+
+
+def _state(directory, rank):
+    """A rank's pid (0 before it joined), rounds so far, and whether it has ended."""
+    return _STATE.unpack_from(directory.buf, _RANK_SIZE * rank + 2 * _SEGMENT.size)
+
+
+def _tell_the_others(store, rank, rounds, how):
+    """Rank ``rank`` has ended after ``rounds`` rounds: the first to end is named the cause,
+    and the ranks waiting in the round it will never reach are woken."""
+    first = f"{rank}\0{how}"
+    store.compare_set("ended", "", first)
+    store.compare_set(f"round-{rounds + 1}-met", "", _ENDED)
 
 
 def _ended(rank, how, cause):

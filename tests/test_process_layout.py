@@ -1,0 +1,115 @@
+"""One process a simulated core (``tpunb.simulate(layout="processes")``, the default): each
+rank sees what a rank of a TPU v5e-8 sees, its state is its process's own, and a launch
+that fails leaves no process and no shared memory behind."""
+
+import os
+import signal
+
+import pytest
+import torch
+from conftest import launch_leftovers
+
+import tpunb
+from tpunb.errors import RankEnded
+
+SHARED_MEMORY = "/dev/shm"
+
+
+def _what_a_rank_sees(rank):
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+    import torch_xla.debug.metrics as met
+    import torch_xla.runtime as xr
+
+    device = torch_xla.device()
+    drawn = torch.rand(1).item()  # the generator: a copy of the notebook's
+    for _ in range(rank + 1):
+        torch.tensor([1.0], device=device).add(1).item()  # this process's own counters
+    return {
+        "pid": os.getpid(),
+        "device": str(device),
+        "devices": xm.get_xla_supported_devices(),
+        "answers": (
+            xr.world_size(),
+            xr.global_ordinal(),
+            xr.local_ordinal(),
+            xr.process_index(),
+            xr.process_count(),
+            xr.addressable_device_count(),
+            xr.global_device_count(),
+            xm.xla_device_hw(device),
+        ),
+        "drawn": drawn,
+        "reads": met.counter_value("aten::_local_scalar_dense"),
+    }
+
+
+def test_each_rank_is_a_process_that_sees_what_a_v5e_8_rank_sees(cores8_processes):
+    torch.manual_seed(11)
+    expected = torch.rand(1).item()
+    torch.manual_seed(11)
+    results = tpunb.launch(_what_a_rank_sees, live=False)
+    assert len({r["pid"] for r in results}) == 8 and os.getpid() not in {r["pid"] for r in results}
+    for rank, seen in enumerate(results):
+        assert seen["device"] == "xla:0" and seen["devices"] == ["xla:0"]
+        assert seen["answers"] == (8, rank, rank, rank, 8, 1, 8, "TPU")
+        assert seen["drawn"] == expected  # every rank draws what the notebook would next
+        assert seen["reads"] == rank + 1  # its own .item()s, no other rank's
+    assert tpunb.env().layout.describe() == "8 processes x 1 thread"
+
+
+def _stops(rank, how):
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+
+    device = torch_xla.device()
+    xm.all_reduce(xm.REDUCE_SUM, torch.ones(2, device=device))
+    if rank == 2:
+        if how == "raises":
+            raise ValueError("rank 2 broke")
+        if how == "is killed":
+            os.kill(os.getpid(), signal.SIGKILL)
+        return "returned early"
+    return xm.all_reduce(xm.REDUCE_SUM, torch.ones(2, device=device)).tolist()
+
+
+@pytest.mark.parametrize(
+    "how, error, message",
+    [
+        ("raises", ValueError, "rank 2 broke"),
+        ("returns", RankEnded, "rank 2 has ended \\(it returned\\)"),
+        ("is killed", Exception, "terminated abruptly"),
+    ],
+)
+def test_a_rank_that_ends_stops_a_plain_xmp_spawn_and_leaves_nothing(
+    cores8_processes, how, error, message
+):
+    import torch_xla.distributed.xla_multiprocessing as xmp
+
+    segments = set(os.listdir(SHARED_MEMORY))
+    with pytest.raises(error, match=message):
+        xmp.spawn(_stops, args=(how,), start_method="fork")
+    assert set(os.listdir(SHARED_MEMORY)) == segments
+    assert launch_leftovers() == []
+
+
+def _ends_early(rank, fails):
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+
+    if fails and rank == 5:
+        raise RuntimeError("rank 5 gave up")
+    return xm.all_reduce(xm.REDUCE_SUM, torch.ones(1, device=torch_xla.device())).item()
+
+
+def test_twenty_launches_failed_ones_among_them_leave_nothing_behind(cores8_processes):
+    segments = set(os.listdir(SHARED_MEMORY))
+    for launch in range(20):
+        fails = launch % 4 == 3
+        if fails:
+            with pytest.raises(tpunb.RankError, match="rank 5 raised RuntimeError: rank 5 gave up"):
+                tpunb.launch(_ends_early, fails, live=False)
+        else:
+            assert list(tpunb.launch(_ends_early, fails, live=False)) == [8.0] * 8
+        assert launch_leftovers() == []
+    assert set(os.listdir(SHARED_MEMORY)) == segments
