@@ -78,7 +78,8 @@ def _stops(rank, how):
     [
         ("raises", ValueError, "rank 2 broke"),
         ("returns", RankEnded, "rank 2 has ended \\(it returned\\)"),
-        ("is killed", Exception, "terminated abruptly"),
+        # The launching process tells the others, or the pool sees its process die first.
+        ("is killed", Exception, "it was killed: its process exited|terminated abruptly"),
     ],
 )
 def test_a_rank_that_ends_stops_a_plain_xmp_spawn_and_leaves_nothing(
@@ -113,3 +114,24 @@ def test_twenty_launches_failed_ones_among_them_leave_nothing_behind(cores8_proc
             assert list(tpunb.launch(_ends_early, fails, live=False)) == [8.0] * 8
         assert launch_leftovers() == []
     assert set(os.listdir(SHARED_MEMORY)) == segments
+
+
+def test_the_default_layout_follows_the_machine_unless_the_variable_chooses(monkeypatch):
+    from tpunb import simulation
+
+    monkeypatch.delenv(simulation.LAYOUT_VARIABLE, raising=False)
+    monkeypatch.setattr(simulation, "usable_cpus", lambda: 8)
+    assert simulation.default_layout(8) == "processes"
+    monkeypatch.setattr(simulation, "usable_cpus", lambda: 2)
+    assert simulation.default_layout(8) == "threads"
+    assert simulation.default_layout(2) == "processes"
+    monkeypatch.setenv(simulation.LAYOUT_VARIABLE, "processes")
+    assert simulation.default_layout(8) == "processes"
+    monkeypatch.setenv(simulation.LAYOUT_VARIABLE, "fibers")
+    with pytest.raises(tpunb.TpunbError, match="TPUNB_SIMULATION_LAYOUT='fibers'"):
+        tpunb.simulate(cores=8)
+
+
+def test_a_layout_that_does_not_exist_is_refused_before_anything_starts():
+    with pytest.raises(tpunb.TpunbError, match="layout='fibres'.*'processes'.*'threads'"):
+        tpunb.simulate(cores=8, layout="fibres")

@@ -52,13 +52,6 @@ class Environment(reports.Report):
             simulated = f"{self.simulated_cores} TPU cores simulated on the CPU"
             if self.host_tpu is not None:
                 simulated += f" instead of this host's TPU {self.host_tpu.accelerator_type}"
-            if self.layout.processes == 1 and self.layout.cores > 1:
-                simulated += (
-                    ", in one process of threads (a v5e-8 runs a process a core: "
-                    f'tpunb.simulate(cores={self.layout.cores}, layout="processes"))'
-                )
-            else:
-                simulated += ", a process a core as on a v5e-8"
             return simulated
         return "no TPU"
 

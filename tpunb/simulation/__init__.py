@@ -104,15 +104,41 @@ def simulate(cores=8, instead_of_tpu=False, layout=None):
     return env()
 
 
+LAYOUT_VARIABLE = "TPUNB_SIMULATION_LAYOUT"
+
+
 def default_layout(cores):
-    """The layout ``simulate`` takes when none is given: a process a core where the machine
-    has a CPU for each, else one process of threads. Each process compiles every graph it
-    meets (the CPU client cannot load a compiled graph another process wrote: torch_xla's
-    persistent cache fails there with "Deserializing serialized executable not supported"),
-    so on a machine of fewer CPUs than cores the processes compile the same graphs in turn:
-    on 2 CPUs the suite took 1.6 times as long, an epoch of the small workload 1.3 times
-    (docs/simulation.md, "Which layout")."""
-    return "processes" if len(os.sched_getaffinity(0)) >= cores else "threads"
+    """The layout ``simulate`` takes when none is given: ``$TPUNB_SIMULATION_LAYOUT`` if set
+    (``binder/start`` sets threads: 8 processes do not fit in its 2 GB), else a process a
+    core where the machine has a CPU for each, else one process of threads. Each process
+    compiles every graph it meets (the CPU client cannot load a compiled graph another
+    process wrote: torch_xla's persistent cache fails there with "Deserializing serialized
+    executable not supported"), so on fewer CPUs than cores the processes compile the same
+    graphs in turn: on 2 CPUs the tests took 1.6 times as long, an epoch of the small
+    workload 1.3 times (docs/simulation.md, "Which layout")."""
+    chosen = os.environ.get(LAYOUT_VARIABLE)
+    if chosen:
+        if chosen not in LAYOUTS:
+            raise TpunbError(
+                f"{LAYOUT_VARIABLE}={chosen!r}: the layout is 'processes' or 'threads' (or "
+                "unset it to follow the machine)."
+            )
+        return chosen
+    return "processes" if usable_cpus() >= cores else "threads"
+
+
+def usable_cpus():
+    """The CPUs this process may use: those it may run on, fewer if its cgroup's CPU quota
+    (cgroup v2 ``cpu.max``, as containers and Binder set it) is smaller."""
+    cpus = len(os.sched_getaffinity(0))
+    try:
+        with open("/sys/fs/cgroup/cpu.max") as limit:
+            quota, period = limit.read().split()
+    except (OSError, ValueError):
+        return cpus
+    if quota == "max":
+        return cpus
+    return max(1, min(cpus, int(quota) // int(period)))
 
 
 def _install_threads():

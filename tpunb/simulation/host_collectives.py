@@ -109,7 +109,6 @@ def _all_reduce_one_tensor_too(reduce_type, inputs, *args, **kwargs):
     return torch_xla._XLAC._xla_all_reduce(reduce_type, inputs, scale, groups or [], pin_layout)
 
 
-
 def _share(tensors):
     """Steps 1 and 2: every rank's ``tensors``, as CPU tensors, in rank order."""
     device = torch_xla._XLAC._xla_get_default_device()
