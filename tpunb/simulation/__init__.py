@@ -109,7 +109,7 @@ LAYOUT_VARIABLE = "TPUNB_SIMULATION_LAYOUT"
 
 def default_layout(cores):
     """The layout ``simulate`` takes when none is given: ``$TPUNB_SIMULATION_LAYOUT`` if set
-    (``binder/start`` sets threads: 8 processes do not fit in its 2 GB), else a process a
+    (``binder/start`` sets threads: Binder's share of CPUs is small), else a process a
     core where the machine has a CPU for each, else one process of threads. Each process
     compiles every graph it meets (the CPU client cannot load a compiled graph another
     process wrote: torch_xla's persistent cache fails there with "Deserializing serialized
