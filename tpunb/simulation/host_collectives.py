@@ -43,6 +43,7 @@ _REDUCE = {
 }
 _rank = {"exchange": None, "steps": 1, "collectives": 0}  # this rank process's
 _original = {}
+_signature = {}  # xm.all_reduce's, read once: its calls are bound to it at every step
 
 
 def install():
@@ -54,6 +55,7 @@ def install():
         _original[name] = getattr(torch_xla._XLAC, name)
         setattr(torch_xla._XLAC, name, _in_ranks(name, implementation))
     _original["all_reduce"] = xm.all_reduce
+    _signature["all_reduce"] = inspect.signature(xm.all_reduce)
     xm.all_reduce = functools.wraps(xm.all_reduce)(_all_reduce_one_tensor_too)
     step_hooks.add(after=_step_ended)
 
@@ -102,7 +104,7 @@ def _all_reduce_one_tensor_too(reduce_type, inputs, *args, **kwargs):
     ``torch.ops._c10d_functional.all_reduce``, which XLA computes in the graph)."""
     if _rank["exchange"] is None or not isinstance(inputs, torch.Tensor):
         return _original["all_reduce"](reduce_type, inputs, *args, **kwargs)
-    given = inspect.signature(_original["all_reduce"]).bind(reduce_type, inputs, *args, **kwargs)
+    given = _signature["all_reduce"].bind(reduce_type, inputs, *args, **kwargs)
     given.apply_defaults()
     scale, groups, pin_layout = (given.arguments[k] for k in ("scale", "groups", "pin_layout"))
     _rank["call"] = describe("all_reduce", (reduce_type, inputs, *args), kwargs)
@@ -167,9 +169,9 @@ def _reduced(reduce_type, values, scale):
     result, reduce = values[0].clone(), _REDUCE[reduce_type]
     for value in values[1:]:
         reduce(result, value, out=result)
-    if scale != 1.0:
+    if scale != 1.0:  # as XLA scales: by the scale in the values' own dtype
         result = result * torch.tensor(scale, dtype=result.dtype)
-    return result.to(values[0].dtype)
+    return result
 
 
 def _to_device(tensors):
