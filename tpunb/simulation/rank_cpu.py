@@ -8,7 +8,8 @@ CPUs. So, at its first sync after the process's first execution, each rank threa
 process that runs several moves to the first CPU the process may use: Python runs one thread
 at a time anyway, while the threads that XLA, torch_xla and autograd have started by then
 (executions, the intra-op pool, the backward passes) keep every CPU. Measured on 2 CPUs in
-``benchmarks/simulation_variants.py`` ("as shipped" against "rank threads on every CPU");
+``benchmarks/simulation_variants.py`` (in git at e37ef2a: "as shipped" against "rank threads on
+every CPU");
 docs/simulation.md, "The rank threads on one CPU". With more CPUs, where it is unmeasured,
 nothing changes.
 
