@@ -3,6 +3,7 @@ their causes, and the fixes (buckets, a padded last batch, a graph limit)."""
 
 import copy
 import os
+import pathlib
 import re
 import time
 import warnings
@@ -31,7 +32,7 @@ def _model():
     return torch.nn.Linear(4, 1)  # built in the notebook: ranks are threads sharing torch's RNG
 
 
-def _masked_mean_model_step(rank, model, loader, item_in_step=False):
+def _masked_mean_model_step(rank, model, loader):
     """Trains a per-position linear model whose loss ignores padding: the same losses
     whatever the batches are padded to. Returns the rank's process and the graphs in the
     process's compilation cache as the rank ends."""
@@ -51,27 +52,25 @@ def _masked_mean_model_step(rank, model, loader, item_in_step=False):
         xm.optimizer_step(optimizer)
         optimizer.zero_grad()
         tpunb.log(loss=loss)
-        if item_in_step:
-            loss.item()
     return os.getpid(), xr.get_num_cached_compilation_graph()
 
 
-def _train(collate, item_in_step=False):
+def _train(collate):
     loader = DataLoader(_sequences(), batch_size=8, collate_fn=collate, drop_last=True)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        results = tpunb.launch(_masked_mean_model_step, _model(), loader, item_in_step)
+        results = tpunb.launch(_masked_mean_model_step, _model(), loader)
     messages = [str(w.message) for w in caught if issubclass(w.category, tpunb.TpunbWarning)]
     return results, messages
 
 
-def _distinct_graphs(results):
-    """The graphs the launch compiled, each counted once: its processes' compilation
-    caches, as their last rank ended."""
+def _graphs_by_process(results):
+    """{pid: the graphs in the process's compilation cache as its last rank ended}: each
+    graph it compiled, counted once (torch_xla compiles and counts per process)."""
     graphs = {}
     for pid, cached in results:
         graphs[pid] = max(cached, graphs.get(pid, 0))
-    return sum(graphs.values())
+    return graphs
 
 
 def _losses(history):
@@ -97,7 +96,8 @@ def test_without_buckets_every_new_shape_compiles_and_is_named_as_the_cause(naiv
     compiles = results.compiles
     lengths_seen = {shape[0][1] for shape in compiles.shapes}
     assert len(lengths_seen) >= 20  # batches padded to their longest: many lengths
-    assert compiles.compiles >= len(lengths_seen)
+    # Every shape compiled, in the process of a rank that met it.
+    assert compiles.all_processes_compiles >= len(lengths_seen)
     shape_warnings = [m for m in messages if "not seen before" in m]
     assert len(shape_warnings) == 1, messages  # once for the cause, not once a step
     assert "distinct shapes so far" in shape_warnings[0]
@@ -118,8 +118,9 @@ def test_four_buckets_compile_at_most_four_step_graphs_after_the_warm_up(naive_a
     # compile it (the simulation's syncs do not; a read mid-step such as .item() may).
     removed_shapes = len(naive.compiles.shapes) - len(compiles.shapes)
     assert removed_shapes >= 16
-    assert _distinct_graphs(naive) - _distinct_graphs(bucketed) >= removed_shapes
-    assert naive.compiles.compiles >= _distinct_graphs(naive)
+    naive_graphs = sum(_graphs_by_process(naive).values())
+    assert naive_graphs - sum(_graphs_by_process(bucketed).values()) >= removed_shapes
+    assert naive.compiles.all_processes_compiles >= naive_graphs
     assert len([m for m in messages if "not seen before" in m]) <= 1
 
 
@@ -128,7 +129,9 @@ def test_ranks_that_meet_a_new_graph_together_compile_it_once(cores8):
     # all-reduce together with the next one to compile.
     results, _ = _train(tpunb.BucketCollate([LENGTHS.stop]))
     assert len(results.compiles.shapes) == 1
-    assert results.compiles.compiles == _distinct_graphs(results) == 3
+    graphs = _graphs_by_process(results)
+    assert set(graphs.values()) == {results.compiles.compiles}  # the same graphs in each
+    assert results.compiles.all_processes_compiles == sum(graphs.values())
 
 
 def _reference_losses(collate, steps):
@@ -177,14 +180,60 @@ def test_ranks_with_different_shapes_train_like_one_device(naive_and_bucketed):
             assert losses == pytest.approx(reference[rank], rel=1e-5, abs=1e-6)
 
 
-def test_item_in_the_step_is_reported_as_a_cpu_fallback(cores8):
-    collate = tpunb.BucketCollate([LENGTHS.stop])  # one shape: only the fallback to see
-    results, messages = _train(collate, item_in_step=True)
-    fallbacks = results.compiles.fallbacks
-    assert fallbacks["aten::_local_scalar_dense"] == 8 * (1024 // 8 // 8)  # once a step a rank
-    [warning] = [m for m in messages if "aten::_local_scalar_dense" in m]
-    assert ".item()" in warning and "on the CPU" in warning
-    assert "CPU fallback aten::_local_scalar_dense" in str(results.compiles)
+def _reads_mid_step(rank):
+    """Reads, each of a value the step has not computed yet (each cuts the graph), then reads
+    that cut nothing: of computed values, in a step closure, after the last sync."""
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+
+    model = torch.nn.Linear(4, 1).to(torch_xla.device())
+    x = torch.ones(8, 4, device=torch_xla.device())
+    big = torch.ones(1024, 1024, device=torch_xla.device())
+    for step in range(STEPS):
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        (loss + 1).item()  # read: .item()
+        (loss + 2).cpu()  # read: .cpu()
+        (loss + 3).tolist()  # read: .tolist()
+        print(loss + 4, end="\r")  # read: print() or repr()
+        if loss + 5 > 0:  # read: bool() or `if` on a tensor
+            float(loss + 6)  # read: float()
+        slow = (big @ big).sum()  # milliseconds of execution after the sync
+        torch_xla.sync()
+        slow.item()  # still being computed: no cut, the host waits for the device
+        loss.item()  # computed and there (read after the wait): nothing to name
+        if step == STEPS - 1:  # at the last sync: the closure's read waits for the device
+            xm.add_step_closure(lambda value: (value * 2).item(), args=(loss,))
+    return loss.cpu().item()  # after the last sync
+
+
+STEPS = 6
+
+
+def test_every_read_that_cuts_a_step_is_named_once_with_its_line(cores8):
+    source = pathlib.Path(__file__).read_text().splitlines()
+    lines = {
+        line.split("# read: ")[1]: number
+        for number, line in enumerate(source, start=1)
+        if "# read: " in line and "split" not in line
+    }
+    assert len(lines) == 6
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        results = tpunb.launch(_reads_mid_step)
+    messages = [str(w.message) for w in caught if issubclass(w.category, tpunb.TpunbWarning)]
+    for what, line in lines.items():  # once a read, however many steps and ranks
+        [message] = [m for m in messages if f"{what} at {__file__}, line {line} " in m]
+        assert "not computed yet" in message
+        [cause] = [c for c in results.compiles.causes if f"line {line} " in c]
+        assert cause.endswith(f"It cut {STEPS} steps.")
+    # The read right after each sync cuts nothing, but the host waits there: named once it
+    # has waited in 5 steps. The reads of a value there, in the step closure and after the
+    # last sync: nothing.
+    [waits] = [m for m in messages if "not computed yet" not in m]
+    waiting = next(n for n, line in enumerate(source, 1) if "cut, the host waits" in line)
+    assert f".item() at {__file__}, line {waiting} has waited for the device in 5 steps" in waits
+    assert len(messages) == 7
 
 
 def _reads_values_the_torch_xla_way(rank, model, loader):
@@ -347,7 +396,7 @@ def test_the_history_keeps_every_logged_value_and_survives_a_round_trip(
     figure = loaded.plot()  # Agg, no display: loss per core, samples/s, compilations
     titles = [ax.get_title() for ax in figure.axes if ax.get_title()]
     assert titles[0] == "loss per core" and "samples/s" in titles[1]
-    assert titles[2] == "graphs compiled per training step (all cores)"
+    assert titles[2] == "graphs compiled per training step (per process)"
     [loss_axes] = [ax for ax in figure.axes if ax.get_title() == "loss per core"]
     cores = {line.get_label(): line for line in loss_axes.lines if line.get_label() != "_"}
     cores = {label: line for label, line in cores.items() if label.startswith("core")}
@@ -382,6 +431,32 @@ def test_a_compilation_read_a_step_early_is_still_blamed_on_its_new_shape(lag):
     assert "short last batch" in message
     summary = watch.summary()
     assert (summary.compiles, summary.compiles_after_warmup, summary.steps) == (4, 1, 10)
+
+
+def test_each_process_counts_its_own_compilations_as_on_a_v5e_8():
+    # One process a rank (a v5e-8, the process layout): every rank reports its process's
+    # counters, and each process compiles the same graphs.
+    from tpunb.history import History
+
+    watch, history = tpunb.compile_watch.CompileWatch(ranks=2), History(2)
+    compiles = [2, 1, 0] + [0] * 6 + [1]
+    batches = [8] * 9 + [5]
+    messages = []
+    for step, (batch, count) in enumerate(zip(batches, compiles, strict=True)):
+        for rank in (0, 1):
+            record = _record(step, batch, compiles=count)
+            history.add(rank, [record])
+            messages += watch.add(rank, [record])
+    messages += watch.finish()
+    [message] = messages
+    assert message.startswith("step 9 compiled 1 new graph: batch shape (5, 16)")
+    summary = watch.summary()
+    assert (summary.compiles, summary.compiles_after_warmup) == (4, 1)
+    assert (summary.processes, summary.all_processes_compiles) == (2, 8)
+    assert "4 in each of 2 processes" in str(summary)
+    per_step = history.compiles_per_step()
+    assert sum(count for _, count, _, _ in per_step) == summary.compiles == watch.compiles
+    assert sum(seconds for _, _, seconds, _ in per_step) == pytest.approx(summary.compile_seconds)
 
 
 def _same_graph_every_step(rank, steps):
@@ -425,7 +500,7 @@ def _compile_time_around_new_shapes(rank, shapes):
         torch_xla.sync()
     xm.wait_device_ops()
     xm.rendezvous("compiled")
-    return start, compile_seconds()
+    return os.getpid(), start, compile_seconds()
 
 
 def test_the_compile_time_summed_up_holds_all_of_torch_xlas(cores8):
@@ -433,7 +508,11 @@ def test_the_compile_time_summed_up_holds_all_of_torch_xlas(cores8):
         # A new graph every step: the watch rightly says so; not what this test checks.
         warnings.simplefilter("ignore", tpunb.TpunbWarning)
         results = tpunb.launch(_compile_time_around_new_shapes, 6, live=False)
-    start, end = min(r[0] for r in results), max(r[1] for r in results)
+    # The summary counts the process that compiled most: each compiled the same 6 graphs,
+    # so the lowest rank's (torch_xla times compilations per process).
+    pid = results[0][0]
+    start = min(start for p, start, _ in results if p == pid)
+    end = max(end for p, _, end in results if p == pid)
     assert end > start  # the 6 new graphs took time to compile
     # The steps' compile seconds hold at least what torch_xla timed while the graphs compiled.
     assert results.compiles.compile_seconds >= end - start

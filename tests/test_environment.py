@@ -89,15 +89,24 @@ def test_report_without_simulation_says_how_to_simulate():
     assert result.stdout.split("\n")[:2] == [f"None 0 {versions} script", "True"], result.stderr
 
 
-def test_report_of_simulated_cores_as_text_and_html(cores8):
+@pytest.mark.parametrize(
+    "layout, processes, described",
+    [("processes", 8, "8 processes x 1 thread"), ("threads", 1, "1 process x 8 threads")],
+)
+def test_report_of_simulated_cores_as_text_and_html(layout, processes, described):
+    tpunb.simulate(cores=8, layout=layout)
     report = tpunb.env()
-    assert (report.cores, report.processes, report.threads_per_process) == (8, 1, 8)
+    assert (report.cores, report.processes, report.threads_per_process) == (
+        8,
+        processes,
+        8 // processes,
+    )
     assert not report.runtime_started
     assert not any("simulate" in w for w in report.warnings)
     text = str(report)
-    assert "8 TPU cores simulated on the CPU" in text and "1 process x 8 threads" in text
+    assert "8 TPU cores simulated on the CPU" in text and described in text
     html = report._repr_html_()
-    assert "<table>" in html and "1 process x 8 threads" in html
+    assert "<table>" in html and described in html
 
 
 def test_kaggle_presets_are_flagged_where_a_tpu_would_read_them(tmp_path, monkeypatch, cores8):

@@ -71,7 +71,7 @@ def _placements(rank):
     return before, after, _cpus_of_a_forked_child(), others
 
 
-def test_the_rank_threads_share_one_cpu_and_what_they_fork_gets_both_back(cores8):
+def test_the_rank_threads_share_one_cpu_and_what_they_fork_gets_both_back(cores8_threads):
     with _on_two_cpus():
         results = tpunb.launch(_placements, live=False)
         assert sorted(os.sched_getaffinity(0)) == TWO_CPUS  # the notebook's own: unchanged
@@ -102,13 +102,13 @@ def _evaluation(rank):
     return sorted(os.sched_getaffinity(0))
 
 
-def test_ranks_that_only_evaluate_under_no_grad_move_too(cores8):
+def test_ranks_that_only_evaluate_under_no_grad_move_too(cores8_threads):
     with _on_two_cpus():
         results = tpunb.launch(_evaluation, live=False)
     assert results == [TWO_CPUS[:1]] * 8
 
 
-def test_a_process_of_one_rank_keeps_both_cpus(cores8):
+def test_a_process_of_one_rank_keeps_both_cpus(cores8_threads):
     with _on_two_cpus():
         results = tpunb.launch(_placements, cores=1, live=False)
     before, after, _, _ = results[0]

@@ -1,12 +1,13 @@
 """In the notebook, while a launch runs: the ranks' compilations and CPU fallbacks step by
 step, with their cause (a batch shape not seen before, a short last batch, an op that ran
-on the CPU, or a graph that changed for another reason), warned about once a cause after
-the warm-up, and summed up at the end."""
+on the CPU, or a graph that changed for another reason), and the reads of device values
+that cut a step or wait for the device, with their line; warned about once a cause, and
+summed up at the end."""
 
 import collections
 import dataclasses
 
-from tpunb import reports
+from tpunb import compile_causes, reports
 
 # Steps whose compilations are expected: the sync before the first batch, the first
 # training step, and the second, where optimizers such as Adam add their state.
@@ -15,42 +16,35 @@ WARMUP_STEPS = 3
 # a batch (PyTorch Lightning syncs after the optimizer step and again in its loader).
 WARMUP_BATCHES = 2
 
-# Why an op runs on the CPU, for the ops training code triggers most.
-_FALLBACK_CAUSES = {
-    "aten::_local_scalar_dense": (
-        ".item(), float(t), int(t) or a Python if on a tensor: the step stops, its graph "
-        "runs and the value is copied to the host. Log device tensors with tpunb.log(...) "
-        "(read back in batches), or keep the test on the device with torch.where"
-    ),
-    "aten::nonzero": (
-        "a boolean mask (x[mask]) or torch.nonzero: the result's shape depends on the data. "
-        "Multiply by the mask, or use torch.where, to keep shapes fixed"
-    ),
-    "aten::masked_select": (
-        "masked_select: the result's shape depends on the data. Multiply by the mask "
-        "instead, to keep shapes fixed"
-    ),
-}
+# A line that reads a value an execution is still computing (the host waits for the
+# device) in this many steps after the warm-up is warned about.
+WAITING_STEPS = 5
+_READ_BACK = "aten::_local_scalar_dense"  # .item() and the like: a value read back
 
-# Where a framework runs the loop (its own steps seen): what it reads back itself.
-_FRAMEWORK_FALLBACK_CAUSES = {
-    "aten::_local_scalar_dense": (
-        ". In PyTorch Lightning, self.log(..., prog_bar=True) makes one at every batch: "
-        "Lightning reads the value back for its progress bar. Leave prog_bar out: the live "
-        "view shows the value"
-    ),
-}
+# What a step did, all ranks together: compilations ({reporting rank: count}, one count a
+# process, those the step itself may have caused: torch_xla's helpers' own left out), CPU
+# fallbacks (op -> times), the steps the processes' ranks were in meanwhile (lowest,
+# highest; None when unknown), and whether one of them was in its work after its function
+# returned, and the device values its ranks read ((kind, what, file, line): kind "cut" or
+# "wait", as ``history.Step.reads``).
+_Register = collections.namedtuple("_Register", "compiles fallbacks span closing reads")
 
-# What a step did, all ranks together: compilations, CPU fallbacks (op -> times), the
-# steps the processes' ranks were in meanwhile (lowest, highest; None when unknown), and
-# whether one of them was in its work after its function returned.
-_Register = collections.namedtuple("_Register", "compiles fallbacks span closing")
-# compiles: those the step itself may have caused (torch_xla's helpers' own left out)
+
+@dataclasses.dataclass
+class _ProcessCounts:
+    """One process's compilations so far (torch_xla counts them per process)."""
+
+    compiles: int = 0
+    warmup: int = 0
+    helper: int = 0
+    seconds: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
 class CompileSummary(reports.Report):
-    """Compilations of a launch (all processes together) and what caused them."""
+    """Compilations of a launch and what caused them. torch_xla compiles and counts per
+    process: the counts are those of the process that compiled most (on a v5e-8 each of
+    the 8 processes compiles the same graphs; ``all_processes_compiles`` sums them)."""
 
     compiles: int
     warmup_compiles: int
@@ -58,8 +52,10 @@ class CompileSummary(reports.Report):
     compile_seconds: float
     steps: int  # training steps: batches of the training loader (syncs without one)
     shapes: list  # distinct batch shapes, in the order first seen
-    fallbacks: dict  # op name -> times it ran on the CPU
+    fallbacks: dict  # op name -> times it ran on the CPU, all processes together
     causes: list  # one line a cause seen after the warm-up
+    processes: int = 1  # processes that reported compilations
+    all_processes_compiles: int | None = None  # None: the same as ``compiles``
 
     @property
     def compiles_after_warmup(self):
@@ -80,7 +76,14 @@ class CompileSummary(reports.Report):
         parts = [f"{self.warmup_compiles} in the warm-up"]
         if self.helper_compiles:
             parts.append(f"{self.helper_compiles} in torch_xla's rendezvous and step closures")
-        return f"{self.compiles} ({', '.join(parts)})"
+        if self.processes == 1:
+            return f"{self.compiles} ({', '.join(parts)})"
+        total = self.all_processes_compiles
+        each = "in each" if total == self.compiles * self.processes else "at most, in one"
+        return (
+            f"{self.compiles} {each} of {self.processes} processes ({', '.join(parts)}; "
+            f"{total} in all)"
+        )
 
 
 class CompileWatch:
@@ -104,11 +107,12 @@ class CompileWatch:
         self._places = {}  # step -> where the training loop was: "epoch 2, batch 3"
         self._batch_sizes = collections.Counter()
         self._warned = set()
-        self.compiles = self.warmup_compiles = self.helper_compiles = 0
-        self.compile_seconds = 0.0
+        self._processes = collections.defaultdict(_ProcessCounts)  # reporting rank -> counts
         self.fallbacks = collections.Counter()
-        self.causes = {}  # cause key -> message
+        self.causes = {}  # cause key (a string, or ("cut", what, file, line)) -> message
         self._batches = set()  # (epoch, batch) of the training loader's batches seen
+        self._reads_watched = False  # do the records name the reads that cut a step?
+        self._read_steps = collections.Counter()  # (kind, what, file, line) -> steps seen
 
     def add(self, rank, steps):
         """Takes a rank's new steps; returns the warnings they complete, once a cause."""
@@ -122,17 +126,30 @@ class CompileWatch:
         self._last_step = max(self._pending, default=self._registered - 1)
         return self._analyse(self._last_step, final=True)
 
+    @property
+    def compiles(self):
+        """Compilations so far of the process that compiled most."""
+        return self._most_compiling().compiles
+
+    def _most_compiling(self):
+        # The lowest rank's process where processes compiled as many.
+        rank = max(sorted(self._processes), key=lambda r: self._processes[r].compiles, default=None)
+        return _ProcessCounts() if rank is None else self._processes[rank]
+
     def summary(self):
+        counts = self._most_compiling()
         return CompileSummary(
-            self.compiles,
-            self.warmup_compiles,
-            self.helper_compiles,
-            self.compile_seconds,
+            counts.compiles,
+            counts.warmup,
+            counts.helper,
+            counts.seconds,
             # Training steps: the training loader's batches (a sync a step without one).
             len(self._batches) or self._registered,
             list(self._shapes),
             dict(self.fallbacks),
-            list(self.causes.values()),
+            [self._with_steps(key, message) for key, message in self.causes.items()],
+            processes=max(1, len(self._processes)),
+            all_processes_compiles=sum(p.compiles for p in self._processes.values()),
         )
 
     def _analyse(self, through, final):
@@ -157,6 +174,13 @@ class CompileWatch:
             self._next_step += 1
         return warnings
 
+    def _with_steps(self, key, message):
+        """A cut's cause, with the steps it cut so far."""
+        if key[0] not in ("cut", "wait"):
+            return message
+        steps = reports.count(self._read_steps[key], "step")
+        return f"{message} It {'cut' if key[0] == 'cut' else 'waited in'} {steps}."
+
     def _register(self, number, by_rank):
         framework = any(s.framework for s in by_rank.values())
         if framework:
@@ -174,12 +198,15 @@ class CompileWatch:
         reports = [s for s in by_rank.values() if s.compiles is not None]
         spans = [s.process_steps for s in reports if s.process_steps is not None]
         span = (min(lo for lo, _ in spans), max(hi for _, hi in spans)) if spans else None
-        compiles = sum(s.compiles for s in reports)
-        self.compiles += compiles
-        helpers = sum(s.helper_compiles or 0 for s in reports)
-        self.helper_compiles += helpers
-        compiles -= helpers
-        self.compile_seconds += sum(s.compile_seconds for s in reports)
+        compiles = {}
+        for rank, s in by_rank.items():
+            if s.compiles is None:
+                continue
+            counts = self._processes[rank]
+            counts.compiles += s.compiles
+            counts.helper += s.helper_compiles or 0
+            counts.seconds += s.compile_seconds
+            compiles[rank] = s.compiles - (s.helper_compiles or 0)
         fallbacks = collections.Counter()
         for s in reports:
             fallbacks.update(s.fallbacks)
@@ -192,13 +219,16 @@ class CompileWatch:
                     self._new_by_step[number].append(key)
                 self._batch_sizes[key[0][0] if key[0] else 1] += 1
         closing = any(s.process_closing for s in reports)
-        self._registers[number] = _Register(compiles, fallbacks, span, closing)
+        reads = {tuple(read[:4]) for s in by_rank.values() for read in s.reads or ()}
+        self._reads_watched |= any(s.reads is not None for s in by_rank.values())
+        self._registers[number] = _Register(compiles, fallbacks, span, closing, reads)
 
     def _warnings_at(self, number):
-        compiles, fallbacks, span, closing = self._registers[number]
+        by_process, fallbacks, span, closing, reads = self._registers[number]
+        read_causes = self._read_causes(number, reads)
         if number < self._warmup_end:
-            self.warmup_compiles += compiles
-            return []
+            self._count_warmup(by_process)
+            return self._new_warnings(read_causes)
         # A framework's own steps (Lightning's epoch ends, validation, teardown) compile
         # their graphs once, in code the notebook does not control.
         if number in self._framework_steps:
@@ -208,17 +238,22 @@ class CompileWatch:
         # a read such as `return loss.item()` takes a computed value: it cuts no step. A
         # rank past the last step (its function not yet returned) may be the one that read.
         after_training = number == self._last_step or closing or highest > self._last_step
-        causes = [
+        # A read is the rank's own, in its step: counted whatever the process's other ranks
+        # were doing (the reads after a rank's last sync are never recorded).
+        causes = read_causes + [
             (f"fallback {op}", self._fallback_message(number, op))
             for op in fallbacks
-            if not after_training
+            # Where reads are watched they name the reads that cut, with their line; the
+            # reads of computed values this op also counts cut nothing.
+            if not after_training and not (self._reads_watched and op == _READ_BACK)
         ]
         # The new shapes that explain the compilations: this step's, else the nearest of
         # the steps the process's ranks were in meanwhile (and one either side).
         around = sorted(range(lowest - 1, highest + 2), key=lambda n: abs(n - number))
         shaped_at = next((n for n in around if self._new_at(n)), None)
+        compiles = max(by_process.values(), default=0)  # graphs new to a process
         if compiles and shaped_at is None and lowest < self._warmup_end:
-            self.warmup_compiles += compiles  # a rank was still in its warm-up
+            self._count_warmup(by_process)  # a rank was still in its warm-up
         elif compiles:
             new = self._new_at(shaped_at) if shaped_at is not None else []
             cause = self._compile_cause(number if shaped_at is None else shaped_at, compiles, new)
@@ -228,6 +263,9 @@ class CompileWatch:
             expected = after_training or any(n in self._framework_steps for n in around)
             if cause[0] != "graph" or not expected:
                 causes.append(cause)
+        return self._new_warnings(causes)
+
+    def _new_warnings(self, causes):
         warnings = []
         for key, message in causes:
             self.causes.setdefault(key, message)
@@ -235,6 +273,27 @@ class CompileWatch:
                 self._warned.add(key)
                 warnings.append(message)
         return warnings
+
+    def _read_causes(self, number, reads):
+        """Causes for the device values read in step ``number``: at once for a read that
+        cut the step; for a read of a computed value (the host waits for the device), once
+        the same line has read in ``WAITING_STEPS`` steps after the warm-up. A framework's
+        own steps' are the framework's: not the notebook's to change."""
+        if number in self._framework_steps:
+            return []
+        causes = []
+        for key in sorted(reads):
+            self._read_steps[key] += 1
+            if key[0] == "cut" or (
+                self._read_steps[key] >= WAITING_STEPS and number >= self._warmup_end
+            ):
+                message = compile_causes.read(self._place(number), *key, WAITING_STEPS)
+                causes.append((key, message))
+        return causes
+
+    def _count_warmup(self, by_process):
+        for rank, compiles in by_process.items():
+            self._processes[rank].warmup += compiles
 
     def _place(self, number):
         """Where step ``number`` was, as a learner counts: "epoch 2, batch 3" (a step a
@@ -248,45 +307,13 @@ class CompileWatch:
         return self._new_by_step.get(number, []) if number >= self._warmup_end else []
 
     def _compile_cause(self, number, compiles, new):
-        graphs = reports.count(compiles, "new graph")
-        where = self._place(number)
-        if not new:
-            return "graph", (
-                f"{where} compiled {graphs} with batch shapes seen before: the graph "
-                "itself changed, e.g. a Python branch on a tensor value, a value that is a "
-                "Python number one step and another the next, or a different code path "
-                "(evaluation, logging). Keep the step's code path the same every step."
-            )
-        usual = self._batch_sizes.most_common(1)[0][0]
-        short = [key for key in new if key[0] and key[0][0] < usual]
-        if short and len(short) == len(new):
-            return "short batch", (
-                f"{where} compiled {graphs}: batch shape {_format(short[0])} is smaller "
-                f"than the usual batch of {usual}, the short last batch of an epoch. Build the "
-                "DataLoader with drop_last=True, or pad it to the full batch with "
-                f"tpunb.BucketCollate(..., batch_size={usual})."
-            )
-        return "shapes", (
-            f"{where} compiled {graphs}: batch shape {_format(new[0])} not seen before; "
-            f"{reports.count(self._shapes_through(number), 'distinct shape')} so far. Every new "
-            "shape is a new graph to compile. Pad to buckets: DataLoader(..., collate_fn="
-            "tpunb.BucketCollate(tpunb.choose_buckets(lengths, 4, batch_size=...))) gives at "
-            "most 4 shapes."
-        )
+        usual = self._batch_sizes.most_common(1)[0][0] if new else None
+        shapes = self._shapes_through(number)
+        return compile_causes.compiled(self._place(number), compiles, new, usual, shapes)
 
     def _fallback_message(self, number, op):
-        why = _FALLBACK_CAUSES.get(op, "an op torch_xla has no XLA lowering for")
-        if self._framework_steps:
-            why += _FRAMEWORK_FALLBACK_CAUSES.get(op, "")
-        return (
-            f"{self._place(number)} ran {op} on the CPU (a fallback: the step's graph is cut there "
-            f"and data goes through the host). Likely cause: {why}."
-        )
+        return compile_causes.fallback(self._place(number), op, bool(self._framework_steps))
 
 
 def _shape_key(batch):
     return tuple(tuple(shape) for shape in batch)
-
-
-def _format(key):
-    return " and ".join(str(shape) for shape in key)

@@ -2,8 +2,9 @@
 the one place that knows. Never starts the XLA runtime.
 
 ``xmp.spawn`` starts one process per TPU chip and, in each, one thread per core (XLA
-device) of the chip: v2-8/v3-8 4 x 2, v4-8 4 x 1, v5e-8 8 x 1, v5e-1/v6e-1 1 x 1. On the
-CPU torch_xla runs every device as a thread of one process: the simulation is 1 x N.
+device) of the chip: v2-8/v3-8 4 x 2, v4-8 4 x 1, v5e-8 8 x 1, v5e-1/v6e-1 1 x 1. The
+simulation runs N x 1 as a v5e-8 (``layout="processes"``) or 1 x N, every core a thread of
+one process (``layout="threads"``).
 """
 
 import dataclasses

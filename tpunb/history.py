@@ -39,6 +39,11 @@ class Step:
     # Of ``compiles``, those of torch_xla's helpers that read values after a sync
     # (xm.rendezvous, xm.mesh_reduce, step closures): their own graphs, not the step's.
     helper_compiles: int | None = None
+    # Reads of device values, each [kind, what, file, line, times]: kind "cut" where the
+    # step had not computed the value yet (its pending graph ran up to it), "wait" where an
+    # execution was still computing it (the host waited for the device). None where reads
+    # were not watched.
+    reads: list | None = None
 
 
 def _any_between(ordered, low, high):
@@ -157,30 +162,37 @@ class History:
 
     def compiles_per_step(self):
         """[(training step, compilations, compile seconds, compilations not of a training
-        step)] summed over the processes' reports; compilations before the first batch are
-        at step 0. Not of a training step, as the compile watch judges them: those of
-        torch_xla's helpers (xm.rendezvous, xm.mesh_reduce, step closures), those of a
-        framework's own steps (Lightning's epoch ends, validation) and the steps either side
-        of one, and the work after a rank's function returned (``process_closing``). They
-        are also counted in the compilations."""
+        step)] of the process that compiled most (torch_xla compiles and counts per
+        process; on a v5e-8 each process compiles the same graphs), as the compile watch's
+        summary counts them; compilations before the first batch are at step 0. Not of a
+        training step, as the compile watch judges them: those of torch_xla's helpers
+        (xm.rendezvous, xm.mesh_reduce, step closures), those of a framework's own steps
+        (Lightning's epoch ends, validation) and the steps either side of one, and the work
+        after a rank's function returned (``process_closing``). They are also counted in the
+        compilations."""
+        reporters = {
+            rank: sum(s.compiles for s in steps if s.compiles is not None)
+            for rank, steps in self.steps.items()
+            if any(s.compiles is not None for s in steps)
+        }
+        if not reporters:
+            return []
+        rank = max(sorted(reporters), key=reporters.get)  # the lowest rank where equal
         framework = sorted({s.step for steps in self.steps.values() for s in steps if s.framework})
         totals = {}
-        for rank, steps in self.steps.items():
-            for x, s in zip(self.training_steps(rank), steps, strict=True):
-                if s.compiles is None:
-                    continue
-                lowest, highest = s.process_steps or (s.step, s.step)
-                not_training = (
-                    s.framework
-                    or s.process_closing
-                    or _any_between(framework, lowest - 1, highest + 1)
-                )
-                count, seconds, other = totals.get(x, (0, 0.0, 0))
-                totals[x] = (
-                    count + s.compiles,
-                    seconds + s.compile_seconds,
-                    other + (s.compiles if not_training else s.helper_compiles or 0),
-                )
+        for x, s in zip(self.training_steps(rank), self.steps[rank], strict=True):
+            if s.compiles is None:
+                continue
+            lowest, highest = s.process_steps or (s.step, s.step)
+            not_training = (
+                s.framework or s.process_closing or _any_between(framework, lowest - 1, highest + 1)
+            )
+            count, seconds, other = totals.get(x, (0, 0.0, 0))
+            totals[x] = (
+                count + s.compiles,
+                seconds + s.compile_seconds,
+                other + (s.compiles if not_training else s.helper_compiles or 0),
+            )
         return [(x, *totals[x]) for x in sorted(totals)]
 
     def samples_per_second(self, rank=None, over=10):

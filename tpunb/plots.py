@@ -297,7 +297,7 @@ def _draw_compiles(ax, history, _name):
             drawn = ax.bar(x, n, bottom=bottom, color=color, width=width, label=label)
             if len(bars) <= 30:
                 ax.bar_label(drawn, fontsize=7, padding=1)
-    ax.set(title="graphs compiled per training step (all cores)", xlabel=STEP, ylabel="graphs")
+    ax.set(title="graphs compiled per training step (per process)", xlabel=STEP, ylabel="graphs")
     ax.margins(y=0.2)
     twin = ax.twinx()
     total = 0.0

@@ -13,7 +13,9 @@ The machinery, one file a responsibility, in the order a launch meets it:
                     the first failure, a hang or an interrupt; the outcome
     rank.py         what runs in each rank: the job's function, its result or error back
     recorder.py     a rank's step records (tpunb.log values, batches, compilations)
+    process_counters.py  the process's compile and fallback counters, a step's share
     hooks.py        torch_xla.sync and the loader, wrapped so steps end and batches count
+    reads.py        the Tensor methods that read device values, wrapped: does a read cut?
     messages.py     the typed records a rank sends the notebook (Steps, Raised, Returned)
     channel.py      the pipe that carries them, by value
     heartbeat.py    per-rank progress in shared memory, stacks on demand, the watchdog

@@ -87,9 +87,15 @@ def lost_error(missing, exits, rank_pids, simulated, launcher_error):
     """Ranks ``missing`` sent no result. ``exits``: (pid, exit code) of the launch's
     processes; ``rank_pids``: rank -> pid; ``launcher_error``: what the launcher raised."""
     deaths, signals = [], []
-    for pid, code in exits:
-        if not code:
-            continue
+    # A process a rank: once one dies, the pool xmp.spawn runs them in stops the others with
+    # SIGTERM. The death that was not asked for comes first, and names the signal.
+    failed = [(pid, code) for pid, code in exits if code]
+    stopped = [(pid, code) for pid, code in failed if code == -signal.SIGTERM]
+    if len(stopped) < len(failed):
+        failed = [death for death in failed if death not in stopped]
+    else:
+        stopped = []
+    for pid, code in failed:
         ranks = sorted(r for r, p in rank_pids.items() if p == pid)
         named = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {span(ranks)}"
         who = f"the process of {named}" if ranks else "a launch process"
@@ -101,6 +107,9 @@ def lost_error(missing, exits, rank_pids, simulated, launcher_error):
             deaths.append(f"{who} (pid {pid}) was killed by {signals[-1]}: {cause}")
         else:
             deaths.append(f"{who} (pid {pid}) exited with code {code}")
+    if stopped:
+        ranks = sorted(r for r, p in rank_pids.items() if p in {pid for pid, _ in stopped})
+        deaths.append(f"then the processes of ranks {span(ranks)} were stopped (SIGTERM)")
     if deaths:
         reason = "; ".join(deaths)
     elif launcher_error is not None:

@@ -3,17 +3,19 @@
 through ``tpunb.step_hooks``, which leaves torch_xla's debug output naming the user's
 line) and torch_xla's per-device loader is wrapped so that each batch it hands out is
 recorded. The syncs torch_xla's dynamo bridge makes while it extracts a
-``torch.compile``d graph (at a compiled function's first call, or a new shape) are inside
-the notebook's step and end none. torch_xla's helpers that read device values only after
-a sync (``xm.add_step_closure``'s closures, ``xm.rendezvous`` and ``xm.mesh_reduce``
-through ``xm.xla_rendezvous``) have the CPU fallbacks they make excused: they cut no
-graph. The fork hands the hooks to the ranks; the parent's own behaviour is unchanged
-(no rank runs in it) and restored afterwards."""
+``torch.compile``d graph (at a compiled function's first call, or a new shape) are
+inside the notebook's step and end none. torch_xla's helpers that read device values
+only after a sync (``xm.add_step_closure``'s closures, ``xm.rendezvous`` and
+``xm.mesh_reduce`` through ``xm.xla_rendezvous``) have the CPU fallbacks they make
+excused: they cut no graph. Reads of device values that cut the step or wait for the
+device are recorded with their line (``reads.py``). The fork hands the hooks to the
+ranks; the parent's own behaviour is unchanged (no rank runs in it) and restored
+afterwards."""
 
 import contextlib
 
 from tpunb import step_hooks
-from tpunb.launcher import heartbeat, recorder
+from tpunb.launcher import heartbeat, process_counters, reads, recorder
 
 # Its extract_graph_helper and extract_compiled_graph_helper call torch_xla.sync() to
 # materialize the compiled graph's inputs.
@@ -35,6 +37,12 @@ def _after_sync(caller):
         steps.end_step()
 
 
+def _on_read(kind, what, file, line):
+    steps = recorder.current()
+    if steps is not None:
+        steps.read(kind, what, file, line)
+
+
 @contextlib.contextmanager
 def installed():
     import torch_xla.core.xla_model as xm
@@ -53,15 +61,16 @@ def installed():
 
     def add_excused_step_closure(closure, *args, **kwargs):
         # A closure runs after the step's sync, on computed values: its .item() cuts no graph.
-        return add_step_closure(recorder.excusing_fallbacks(closure), *args, **kwargs)
+        return add_step_closure(process_counters.excusing(closure), *args, **kwargs)
 
     syncs = step_hooks.add(before=_before_sync, after=_after_sync)
     pl.PerDeviceLoader.next = next_recorded
     xm.add_step_closure = add_excused_step_closure
     # xm.rendezvous and xm.mesh_reduce call it; it reads the gathered sizes after a sync.
-    xm.xla_rendezvous = recorder.excusing_fallbacks(xla_rendezvous)
+    xm.xla_rendezvous = process_counters.excusing(xla_rendezvous)
     try:
-        yield
+        with reads.watched(_on_read):
+            yield
     finally:
         step_hooks.remove(syncs)
         pl.PerDeviceLoader.next = next_batch

@@ -1,0 +1,126 @@
+"""In a rank, while a launch runs: where it reads device values, and whether a read cuts
+the training step.
+
+A read (``.item()``, ``.cpu()``, ``.tolist()``, ``.to("cpu")``, ``float()``/``int()``,
+``bool()`` as in ``if t:``, ``print``/``repr``/f-strings) copies a value to the host. Of
+a value the step has not computed yet, torch_xla must first run the pending graph up to
+it (``_check_tensor_need_materialization`` answers that): the step's graph is cut there,
+and its work is traced, compiled and run in two parts. Of a computed value (after a
+sync, in ``xm.add_step_closure``) a read cuts nothing; it waits for the device where an
+execution is still computing the value. The Tensor methods are wrapped for the launch;
+each read that cuts or waits is given to the rank's recorder with the user's file and
+line: the innermost frame outside torch and torch_xla (reads of tpunb's own, the
+simulation's among them, are not the user's)."""
+
+import contextlib
+import os
+import sys
+import threading
+
+# Method name -> how a learner writes the read.
+_READS = {
+    "item": ".item()",
+    "tolist": ".tolist()",
+    "cpu": ".cpu()",
+    "to": '.to("cpu")',
+    "__bool__": "bool() or `if` on a tensor",
+    "__float__": "float()",
+    "__int__": "int()",
+    "__index__": "a tensor used as an index or range()",
+    "__repr__": "print() or repr()",
+    "__format__": "an f-string or format()",
+}
+_MISSING = object()
+_inside = threading.local()  # depth of wrapped reads in this thread: the outermost counts
+_TPUNB = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+
+def _user_line(libraries):
+    """(file, line) of the innermost frame outside torch and torch_xla; None where that is
+    tpunb's own code."""
+    frame = sys._getframe(2)
+    while frame is not None and frame.f_code.co_filename.startswith(libraries):
+        frame = frame.f_back
+    if frame is None or frame.f_code.co_filename.startswith(_TPUNB):
+        return None
+    return _cell_or_file(frame.f_code.co_filename), frame.f_lineno
+
+
+def _cell_or_file(filename):
+    """A notebook cell's code as IPython names it in tracebacks ("In[3]"), not its
+    temporary file; a script's file as given."""
+    shell = sys.modules.get("IPython") and sys.modules["IPython"].get_ipython()
+    name = getattr(getattr(shell, "compile", None), "format_code_name", lambda _: None)(filename)
+    return f"cell {name[1]}" if name else filename
+
+
+def _reads_to_host(torch, name, args, kwargs):
+    if name != "to":
+        return True
+    target = kwargs.get("device", args[0] if args else None)
+    if isinstance(target, str):
+        return target.split(":")[0] == "cpu"
+    return isinstance(target, torch.device) and target.type == "cpu"
+
+
+def _kind(torch_xla, tensor):
+    """ "cut": the value is not computed yet and other work is pending beside it (the
+    sync computes that again: a read after a loop, of the only value pending, cuts
+    nothing); "wait": an execution dispatched at a sync is computing it (its data a
+    placeholder until then); None: it is there to copy."""
+    if torch_xla._XLAC._check_tensor_need_materialization([tensor])[0]:
+        pending = torch_xla._XLAC._check_device_tensor_need_materialization(str(tensor.device))
+        return "cut" if sum(pending) > 1 else None
+    try:  # spelled so in torch_xla 2.8 and 2.9 (init_python_bindings.cpp)
+        return "wait" if torch_xla._XLAC._is_placecholder(tensor) else None
+    except RuntimeError:  # not an XLA tensor: a fake one of torch.compile's, printed
+        return None
+
+
+def _wrapped(torch, name, method, on_read, libraries):
+    import torch_xla
+
+    def read(self, *args, **kwargs):
+        if (
+            getattr(_inside, "depth", 0) == 0
+            and self.device.type == "xla"
+            and not torch.compiler.is_compiling()
+            and _reads_to_host(torch, name, args, kwargs)
+        ):
+            where = _user_line(libraries)
+            if where is not None:
+                kind = _kind(torch_xla, self)
+                if kind is not None:
+                    on_read(kind, _READS[name], *where)
+        _inside.depth = getattr(_inside, "depth", 0) + 1
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            _inside.depth -= 1
+
+    read.__name__ = read.__qualname__ = name
+    read.__doc__ = method.__doc__
+    return read
+
+
+@contextlib.contextmanager
+def watched(on_read):
+    """For the duration: every read of a device value that cuts the step or waits for the
+    device calls ``on_read(kind, what, file, line)`` in the reading thread (``kind``: "cut"
+    or "wait", as ``_kind`` tells)."""
+    import torch
+    import torch_xla
+
+    libraries = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch, torch_xla))
+    saved = {name: torch.Tensor.__dict__.get(name, _MISSING) for name in _READS}
+    for name in _READS:
+        method = getattr(torch.Tensor, name)
+        setattr(torch.Tensor, name, _wrapped(torch, name, method, on_read, libraries))
+    try:
+        yield
+    finally:
+        for name, method in saved.items():
+            if method is _MISSING:
+                delattr(torch.Tensor, name)
+            else:
+                setattr(torch.Tensor, name, method)
