@@ -3,13 +3,19 @@ global batch, the one the optimizer effectively sees, is that times the core cou
 module converts between the two, scales the learning rate with them, and reports what
 an epoch will look like, with the warnings that cost TPU time."""
 
+from __future__ import annotations
+
 import dataclasses
 import math
 import weakref
+from typing import TYPE_CHECKING
 
 from tpunb import cores as core_layout
 from tpunb import reports
 from tpunb.errors import TpunbError
+
+if TYPE_CHECKING:
+    from torch.utils.data import DataLoader
 
 # TPU matrix units work on 8 x 128 tiles: a per-core batch that is a multiple of 8 fills them.
 TPU_BATCH_MULTIPLE = 8
@@ -29,36 +35,36 @@ class BatchReport(reports.Report):
     previous: object = None  # (cores, global batch) reported before for the same loader
 
     @property
-    def global_batch(self):
+    def global_batch(self) -> int:
         return self.per_core_batch * self.cores
 
     @property
-    def samples_per_core(self):
+    def samples_per_core(self) -> int:
         """Samples each core reads an epoch: DistributedSampler pads to a multiple of cores."""
         return math.ceil(self.samples / self.cores)
 
     @property
-    def padded(self):
+    def padded(self) -> int:
         """Samples the sampler repeats so that every core reads as many."""
         return self.samples_per_core * self.cores - self.samples
 
     @property
-    def last_batch(self):
+    def last_batch(self) -> int:
         """Size of each core's last batch of an epoch (0: it is full)."""
         return self.samples_per_core % self.per_core_batch
 
     @property
-    def steps_per_epoch(self):
+    def steps_per_epoch(self) -> int:
         full = self.samples_per_core // self.per_core_batch
         return full + (1 if self.last_batch and not self.drop_last else 0)
 
     @property
-    def dropped(self):
+    def dropped(self) -> int:
         """Samples ``drop_last`` leaves out each epoch, all cores together."""
         return self.last_batch * self.cores if self.drop_last else 0
 
     @property
-    def warnings(self):
+    def warnings(self) -> tuple[str, ...]:
         return tuple(self._warnings())
 
     def _warnings(self):
@@ -115,7 +121,7 @@ class BatchReport(reports.Report):
         return "tpunb batch report", self._rows(), self.warnings
 
 
-def batch_report(loader, cores=None):
+def batch_report(loader: DataLoader, cores: int | None = None) -> BatchReport:
     """How ``loader`` (batch size per core) splits across ``cores`` (default: this
     machine's TPU cores, or the simulated ones): global batch, steps, padding, warnings."""
     if loader.batch_size is None:
@@ -132,12 +138,12 @@ def batch_report(loader, cores=None):
     return report
 
 
-def global_batch_size(per_core, cores=None):
+def global_batch_size(per_core: int | DataLoader, cores: int | None = None) -> int:
     """The batch the optimizer sees: ``per_core`` samples on each of ``cores`` cores."""
     return per_core * core_layout.count(cores)
 
 
-def per_core_batch_size(global_batch, cores=None):
+def per_core_batch_size(global_batch: int, cores: int | None = None) -> int:
     """The DataLoader batch size that gives ``global_batch`` on ``cores`` cores."""
     cores = core_layout.count(cores)
     if global_batch % cores:
@@ -148,7 +154,7 @@ def per_core_batch_size(global_batch, cores=None):
     return global_batch // cores
 
 
-def scale_learning_rate(lr, from_batch, to_batch):
+def scale_learning_rate(lr: float, from_batch: int, to_batch: int) -> float:
     """The linear scaling rule (Goyal et al., 2017, "Accurate, Large Minibatch SGD"): when the
     global batch grows k times, so does the learning rate. A starting point, best with a
     warm-up; adaptive optimizers (Adam) often want less than linear."""

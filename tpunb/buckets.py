@@ -2,13 +2,21 @@
 few bucket lengths (so XLA compiles a few graphs, not one a length), and optionally pad a
 short last batch to the full batch size."""
 
+from __future__ import annotations
+
 import bisect
 import random
+from typing import TYPE_CHECKING
 
 from tpunb.errors import TpunbError, check_count
 
+if TYPE_CHECKING:
+    from collections.abc import Iterable
 
-def choose_buckets(lengths, count=4, batch_size=None):
+
+def choose_buckets(
+    lengths: Iterable[int], count: int = 4, batch_size: int | None = None
+) -> list[int]:
     """``count`` bucket lengths from the data's sequence lengths: quantiles, so that about
     as many batches fall in each bucket, the last one the longest length. A batch is
     padded to its longest sequence, so with ``batch_size`` the quantiles are those of the
@@ -42,7 +50,9 @@ class BucketCollate:
                             collate_fn=tpunb.BucketCollate([16, 32, 48, 64], batch_size=32))
     """
 
-    def __init__(self, buckets, pad_value=0, batch_size=None):
+    def __init__(
+        self, buckets: Iterable[int], pad_value: float = 0, batch_size: int | None = None
+    ) -> None:
         buckets = sorted({int(b) for b in buckets})
         if not buckets or buckets[0] < 1:
             raise TpunbError(

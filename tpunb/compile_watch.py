@@ -4,6 +4,8 @@ on the CPU, or a graph that changed for another reason), and the reads of device
 that cut a step or wait for the device, with their line; warned about once a cause, and
 summed up at the end."""
 
+from __future__ import annotations
+
 import collections
 import dataclasses
 
@@ -58,7 +60,7 @@ class CompileSummary(reports.Report):
     all_processes_compiles: int | None = None  # None: the same as ``compiles``
 
     @property
-    def compiles_after_warmup(self):
+    def compiles_after_warmup(self) -> int:
         """The training steps' own compilations after the warm-up."""
         return self.compiles - self.warmup_compiles - self.helper_compiles
 

@@ -1,6 +1,8 @@
 """``env()``: what this notebook runs on, how a launch will lay out its cores, and what
 would go wrong, with the fix. Never starts the XLA runtime and never uses the network."""
 
+from __future__ import annotations
+
 import dataclasses
 import sys
 
@@ -21,31 +23,31 @@ class Environment(reports.Report):
     warnings: tuple
 
     @property
-    def tpu(self):
+    def tpu(self) -> hardware.Tpu | None:
         """The TPU (``hardware.Tpu``), or None."""
         return self.layout.tpu if self.layout else None
 
     @property
-    def simulated_cores(self):
+    def simulated_cores(self) -> int | None:
         return self.layout.cores if self.layout and self.layout.simulated else None
 
     @property
-    def cores(self):
+    def cores(self) -> int:
         """XLA devices a launch runs on: one rank per core."""
         return self.layout.cores if self.layout else 0
 
     @property
-    def processes(self):
+    def processes(self) -> int:
         """Processes a launch starts: one per TPU chip; one for all simulated cores."""
         return self.layout.processes if self.layout else 0
 
     @property
-    def threads_per_process(self):
+    def threads_per_process(self) -> int:
         """Ranks per process, each a thread driving one core."""
         return self.layout.ranks_per_process if self.layout else 0
 
     @property
-    def accelerator(self):
+    def accelerator(self) -> str:
         if self.tpu is not None:
             return f"TPU {self.tpu.accelerator_type} ({self.tpu.chips} chips)"
         if self.simulated_cores:
@@ -71,7 +73,7 @@ class Environment(reports.Report):
         return "tpunb environment", self._rows(), self.warnings
 
 
-def env():
+def env() -> Environment:
     """Report the platform, TPU (real or simulated), launch layout, versions and warnings."""
     report = Environment(
         platform=platform.name(),

@@ -2,6 +2,13 @@
 for a rank stopped by another's end, and one warning class; plus the one check of a count
 that every call uses."""
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable
+
 
 class TpunbError(Exception):
     """Something would break (or broke) a launch; the message says how to fix it."""
@@ -16,7 +23,15 @@ class RankError(TpunbError):
     still running when a hang was detected to its Python stack (empty otherwise).
     """
 
-    def __init__(self, message, *, ranks, remote_traceback=None, signal=None, stacks=None):
+    def __init__(
+        self,
+        message: str,
+        *,
+        ranks: Iterable[int],
+        remote_traceback: str | None = None,
+        signal: str | None = None,
+        stacks: dict | None = None,
+    ) -> None:
         super().__init__(message)
         self.ranks = tuple(ranks)
         self.remote_traceback = remote_traceback

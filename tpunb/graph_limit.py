@@ -2,11 +2,16 @@
 that caused it, once it would need more than ``max_graphs`` compiled graphs, instead of
 compiling one graph after another for minutes."""
 
+from __future__ import annotations
+
 import functools
 import typing
+from collections.abc import Callable
 
 from tpunb import cores
 from tpunb.errors import TpunbError, check_count
+
+T = typing.TypeVar("T")
 
 _FIX = (
     "Give the step fixed shapes: pad sequences to a few lengths "
@@ -15,7 +20,7 @@ _FIX = (
 )
 
 
-def limit_graphs(step, max_graphs):
+def limit_graphs(step: Callable[..., T], max_graphs: int) -> Callable[..., T]:
     """Inside a launched function: ``step`` wrapped so that a call needing graph number
     ``max_graphs + 1`` raises TpunbError.
 

@@ -2,6 +2,8 @@
 XLA runtime and without asking the network (the metadata server 404s on Colab,
 https://github.com/pytorch/xla/issues/6568)."""
 
+from __future__ import annotations
+
 import dataclasses
 import functools
 import glob
@@ -46,7 +48,7 @@ class Tpu:
         return f"{self.generation}-{self.chips * per_chip}"
 
 
-def detect(pci_root="/sys/bus/pci/devices"):
+def detect(pci_root: str = "/sys/bus/pci/devices") -> Tpu | None:
     """The TPU on this host, or None. Safe before any launch: reads files only."""
     generations = _pci_tpu_generations(pci_root)
     if not generations:

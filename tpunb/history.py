@@ -1,9 +1,19 @@
 """What a launch recorded, per rank and per step: values given to ``tpunb.log``, batch
 shapes, samples, compilations. Plain data, to plot again or save after the run."""
 
+from __future__ import annotations
+
 import bisect
 import dataclasses
 import json
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import os
+    from collections.abc import Iterable
+    from typing import Any
+
+    from matplotlib.figure import Figure
 
 
 @dataclasses.dataclass
@@ -102,41 +112,41 @@ class History:
     ``Step``). ``rows()`` flattens them to dicts; ``save`` and
     ``load`` keep them as JSON; ``plot()`` draws loss, throughput and compilations per step."""
 
-    def __init__(self, ranks):
+    def __init__(self, ranks: int) -> None:
         self.steps = {rank: [] for rank in range(ranks)}
         self._names = {}  # logged names in the order first seen, kept as steps arrive
         self._last = {rank: {} for rank in range(ranks)}  # rank -> name -> last value
         self._progress_of = {}  # rank -> (records, _training_steps of them)
 
-    def add(self, rank, steps):
+    def add(self, rank: int, steps: Iterable[Step]) -> None:
         self.steps[rank].extend(steps)
         for step in steps:
             self._names.update(dict.fromkeys(step.values))
             self._last[rank].update(step.values)
 
-    def last_value(self, rank, name):
+    def last_value(self, rank: int, name: str) -> float | None:
         """The last value ``rank`` logged under ``name``, however long ago; None if never."""
         return self._last[rank].get(name)
 
     @property
-    def ranks(self):
+    def ranks(self) -> int:
         return len(self.steps)
 
     @property
-    def seconds(self):
+    def seconds(self) -> float:
         """Seconds from the launch's start to the last step any rank recorded."""
         return max((steps[-1].time for steps in self.steps.values() if steps), default=0.0)
 
-    def names(self):
+    def names(self) -> list[str]:
         """The names given to ``tpunb.log``, in the order first seen."""
         return list(self._names)
 
-    def training_steps(self, rank):
+    def training_steps(self, rank: int) -> list[int]:
         """The training step of each of ``rank``'s records (``steps[rank]``): the batches
         of the training loader it had been handed out by then, counted across epochs."""
         return self._progress(rank)[0]
 
-    def epoch_starts(self):
+    def epoch_starts(self) -> list[int]:
         """The training steps after which a new epoch began (on rank 0)."""
         return self._progress(0)[1]
 
@@ -148,7 +158,7 @@ class History:
             self._progress_of[rank] = (len(self.steps[rank]), progress)
         return progress
 
-    def values(self, name):
+    def values(self, name: str) -> dict[int, tuple[list[int], list[float]]]:
         """{rank: ([training step, ...], [value, ...])} where ``name`` was logged."""
         found = {}
         for rank, steps in self.steps.items():
@@ -160,7 +170,7 @@ class History:
                 found[rank] = tuple(map(list, zip(*pairs, strict=True)))
         return found
 
-    def compiles_per_step(self):
+    def compiles_per_step(self) -> list[tuple[int, int, float, int]]:
         """[(training step, compilations, compile seconds, compilations not of a training
         step)] of the process that compiled most (torch_xla compiles and counts per
         process; on a v5e-8 each process compiles the same graphs), as the compile watch's
@@ -195,7 +205,9 @@ class History:
             )
         return [(x, *totals[x]) for x in sorted(totals)]
 
-    def samples_per_second(self, rank=None, over=10):
+    def samples_per_second(
+        self, rank: int | None = None, over: int = 10
+    ) -> tuple[list[int], list[float]]:
         """([training step, ...], [samples/s, ...]) of ``rank``, each over its last
         ``over`` records (timed in the rank). ``rank=None``: all ranks together, at the
         training steps every rank has."""
@@ -212,13 +224,13 @@ class History:
         positions, rates = _rates(self.steps[rank], over)
         return [at[p] for p in positions], rates
 
-    def current_samples_per_second(self, over=10):
+    def current_samples_per_second(self, over: int = 10) -> float | None:
         """All ranks' samples/s over their last ``over`` steps (None before that can be
         told): from the tails only, cheap however long the run."""
         rates = [_rates(steps[-over - 1 :], over)[1] for steps in self.steps.values()]
         return sum(r[-1] for r in rates) if all(rates) else None
 
-    def rows(self):
+    def rows(self) -> list[dict[str, Any]]:
         """Every step of every rank as a plain dict (rank first), for pandas or a CSV."""
         return [
             {"rank": rank, **dataclasses.asdict(step)}
@@ -226,12 +238,12 @@ class History:
             for step in steps
         ]
 
-    def save(self, path):
+    def save(self, path: str | os.PathLike) -> None:
         with open(path, "w") as file:
             json.dump({"ranks": self.ranks, "rows": self.rows()}, file)
 
     @classmethod
-    def load(cls, path):
+    def load(cls, path: str | os.PathLike) -> History:
         with open(path) as file:
             saved = json.load(file)
         history = cls(saved["ranks"])
@@ -243,7 +255,7 @@ class History:
             history.add(rank, [Step(**row)])
         return history
 
-    def plot(self, **figure_options):
+    def plot(self, **figure_options: Any) -> Figure:
         """A matplotlib figure of the run: logged values per core, samples/s, compilations."""
         from tpunb import plots
 

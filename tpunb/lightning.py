@@ -16,11 +16,14 @@ the view. Requires the ``lightning`` package (``pip install lightning``, which k
 installed torch).
 """
 
+from __future__ import annotations
+
 import contextlib
 import functools
 import importlib.util
 import logging
 import multiprocessing
+from typing import TYPE_CHECKING
 
 from tpunb import live as live_view
 from tpunb import migration
@@ -39,6 +42,11 @@ from lightning.pytorch.strategies import XLAStrategy  # noqa: E402
 from lightning.pytorch.strategies.launchers.xla import _XLALauncher  # noqa: E402
 from lightning.pytorch.trainer.states import TrainerFn  # noqa: E402
 from lightning.pytorch.utilities.rank_zero import rank_zero_only  # noqa: E402
+
+__all__ = ["LiveCallback", "OneCoreXLAStrategy", "trainer"]
+
+if TYPE_CHECKING:
+    from typing import Any
 
 # Lightning's loggers: their INFO lines (the hardware found, a cloud-logging tip, "fit
 # stopped") say nothing the live view does not, and show twice in notebooks, where
@@ -72,7 +80,7 @@ class LiveCallback(pl.Callback):
     on_validation_batch_start = on_validation_batch_end = None
     on_test_batch_start = on_test_batch_end = on_predict_batch_start = on_predict_batch_end = None
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.history = None
         self.compiles = None
         # From a training_step's start to Lightning's next own steps (validation, the end
@@ -80,7 +88,7 @@ class LiveCallback(pl.Callback):
         self._in_training = False
         self._in_step = None  # in a training_step: name -> value given to self.log
 
-    def setup(self, trainer, pl_module, stage):
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         steps = recorder.current()
         if steps is None:
             raise TpunbError(
@@ -98,13 +106,13 @@ class LiveCallback(pl.Callback):
         pl_module.log = _Logging(pl_module.log, self)
         pl_module.training_step = _recording(pl_module.training_step, self)
 
-    def teardown(self, trainer, pl_module, stage):
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if isinstance(vars(pl_module).get("log"), _Logging):
             del pl_module.log
         if getattr(vars(pl_module).get("training_step"), "records_for", None) is self:
             del pl_module.training_step
 
-    def on_train_start(self, trainer, pl_module):
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Lightning's sanity check reads the validation loader first: name the training one.
         loader = trainer.train_dataloader
         host = getattr(loader, "_loader", loader)  # the DataLoader in the MpDeviceLoader
@@ -114,13 +122,13 @@ class LiveCallback(pl.Callback):
 
     # Lightning's own steps between the batches (validation, the end of an epoch) and
     # after the last: the compile watch expects them to compile once and does not judge them.
-    def on_validation_start(self, trainer, pl_module):
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._framework_steps()
 
-    def on_train_epoch_end(self, trainer, pl_module):
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._framework_steps()
 
-    def on_train_end(self, trainer, pl_module):
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._framework_steps()
 
     def _framework_steps(self):
@@ -188,7 +196,9 @@ class _Logging:
         self.callback._logged_value(name, value, on_step)
 
 
-def trainer(*, live="auto", hang_timeout=600, **trainer_arguments):
+def trainer(
+    *, live: str | bool = "auto", hang_timeout: float | None = 600, **trainer_arguments: Any
+) -> pl.Trainer:
     """A ``lightning.Trainer`` on every TPU core (or every simulated one), watched by tpunb.
 
     ``trainer_arguments`` go to ``lightning.Trainer``; ``accelerator`` defaults to
@@ -295,7 +305,7 @@ class OneCoreXLAStrategy(XLAStrategy):
     (https://github.com/Lightning-AI/pytorch-lightning/pull/17408); tpunb's launcher runs
     it in a child process instead (``_launch_one_core``), so one device is fine here."""
 
-    def setup_distributed(self):
+    def setup_distributed(self) -> None:
         rank_zero_only.rank = self.global_rank
 
 

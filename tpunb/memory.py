@@ -3,12 +3,21 @@ optimizer state, activations) against each TPU's memory (HBM) per core, and what
 processes of a launch hold in the host's memory (RSS, PSS, private). Measured on the CPU,
 before any launch: nothing here starts the XLA runtime."""
 
+from __future__ import annotations
+
 import copy
 import dataclasses
 import os
+from typing import TYPE_CHECKING
 
 from tpunb import reports
 from tpunb.errors import TpunbError
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+    from typing import Any
+
+    import torch
 
 GiB = 2**30
 MB = 10**6
@@ -76,7 +85,13 @@ class ReplicaMemory(reports.Report):
         return title, rows, []
 
 
-def replica_memory(model, batch=None, optimizer=None, autocast=None, loss=None):
+def replica_memory(
+    model: torch.nn.Module,
+    batch: Any = None,
+    optimizer: Callable[..., torch.optim.Optimizer] | None = None,
+    autocast: torch.dtype | None = None,
+    loss: Callable[..., torch.Tensor] | None = None,
+) -> ReplicaMemory:
     """What one core holds to train ``model``: its weights, their gradients, the state of
     ``optimizer`` (a class or a function of the parameters, e.g. ``torch.optim.Adam``) and
     the activations of one per-core ``batch`` (the model's input, or ``(input, target)``
@@ -134,7 +149,9 @@ def _replica_memory(model, batch, optimizer, autocast, loss):
     return ReplicaMemory(weights, gradients, state, activations, ", ".join(names), cast_weights)
 
 
-def replica_memory_of(parameters, optimizer_states=2, bytes_per_number=4, name=""):
+def replica_memory_of(
+    parameters: int, optimizer_states: int = 2, bytes_per_number: int = 4, name: str = ""
+) -> ReplicaMemory:
     """The same for a model known by its parameter count, without activations: weights
     and gradients of ``bytes_per_number`` each, and ``optimizer_states`` numbers a
     parameter (Adam and AdamW keep 2, SGD with momentum 1, plain SGD 0)."""
@@ -218,7 +235,7 @@ class ProcessMemory:
     private: int
 
 
-def process_memory(pid=None):
+def process_memory(pid: int | None = None) -> ProcessMemory:
     """``ProcessMemory`` of process ``pid`` (this one by default), from Linux's
     /proc/<pid>/smaps_rollup. In a rank: the memory of the launch process it runs in."""
     pid = os.getpid() if pid is None else pid

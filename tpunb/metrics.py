@@ -1,11 +1,18 @@
 """``tpunb.log(loss=loss)``: inside a rank, record numbers for this step; the notebook plots
 them live and the launch's ``history`` keeps them."""
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
 from tpunb.errors import TpunbError
 from tpunb.launcher import recorder
 
+if TYPE_CHECKING:
+    import torch
 
-def log(**values):
+
+def log(**values: float | torch.Tensor) -> None:
     """Records scalar metrics for this rank's current step, e.g. ``tpunb.log(loss=loss)``.
 
     Device tensors are not read when logged: they are read back in batches after the

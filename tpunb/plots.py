@@ -2,17 +2,29 @@
 total, and compilations per step; and the lessons' small figures, each one call. matplotlib
 is imported only when a figure is drawn."""
 
+from __future__ import annotations
+
 import itertools
+from typing import TYPE_CHECKING
 
 from tpunb import platform, versions
 from tpunb.errors import TpunbError
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from matplotlib.figure import Figure
+
+    from tpunb.history import History
 
 STEP = "training step (one batch on each core)"
 SMOOTH_FROM = 20  # points in a line from which it is drawn smoothed over the raw one
 DPI = 90  # figures shown in a notebook
 
 
-def history_figure(history, width=10.0, panel_height=2.6, fixed_layout=False):
+def history_figure(
+    history: History, width: float = 10.0, panel_height: float = 2.6, fixed_layout: bool = False
+) -> Figure:
     """A matplotlib Figure with one panel per logged value, one for throughput (when the
     loader's batches were recorded) and one for compilations per step. ``fixed_layout``
     sets margins instead of computing them: the figure draws in half the time (live
@@ -51,7 +63,15 @@ def history_figure(history, width=10.0, panel_height=2.6, fixed_layout=False):
     return figure
 
 
-def lines(series, xlabel, ylabel, title=None, size=(8, 3.2), x=None, log_x=False):
+def lines(
+    series: dict[str, Sequence[float] | tuple[Sequence[float], Sequence[float]]],
+    xlabel: str,
+    ylabel: str,
+    title: str | None = None,
+    size: tuple[float, float] = (8, 3.2),
+    x: Sequence[float] | None = None,
+    log_x: bool = False,
+) -> Figure:
     """One line per entry of ``series`` (label -> values, or label -> (x values, values)),
     labelled, at ``x`` (1, 2, ... by default); ``log_x``: a logarithmic x axis ticked at
     ``x``."""
@@ -79,7 +99,11 @@ def lines(series, xlabel, ylabel, title=None, size=(8, 3.2), x=None, log_x=False
     return shown_in_notebooks(figure)
 
 
-def samples_seen(panels, first=96, size=None):
+def samples_seen(
+    panels: dict[str, Sequence[Sequence[int]]],
+    first: int = 96,
+    size: tuple[float, float] | None = None,
+) -> Figure:
     """Which samples each core trained on: a panel per entry of ``panels`` (title -> the
     sample indices of each core, by rank), a row per core, a square per sample of the
     ``first`` indices."""
@@ -95,7 +119,14 @@ def samples_seen(panels, first=96, size=None):
     return shown_in_notebooks(figure)
 
 
-def bars(values, xlabel, title=None, size=(8, 3.2), marks=None, log=False):
+def bars(
+    values: dict[str, float],
+    xlabel: str,
+    title: str | None = None,
+    size: tuple[float, float] = (8, 3.2),
+    marks: dict[str, float] | None = None,
+    log: bool = False,
+) -> Figure:
     """Horizontal bars, one per entry of ``values`` (label -> number), top to bottom, each
     with its number written beside it; ``marks`` (label -> number): dashed vertical lines
     to compare the bars with, named in a legend; ``log``: a logarithmic axis."""
@@ -115,7 +146,9 @@ def bars(values, xlabel, title=None, size=(8, 3.2), marks=None, log=False):
     return shown_in_notebooks(figure)
 
 
-def launch_layouts(layouts, size=(11, 4.2)):
+def launch_layouts(
+    layouts: dict[str, tuple[int, int]], size: tuple[float, float] = (11, 4.2)
+) -> Figure:
     """How ``xmp.spawn`` lays ranks out: a row per entry of ``layouts`` (label ->
     (processes, ranks per process)), each process a box, each rank a numbered dot."""
     from matplotlib.patches import Circle, FancyBboxPatch
@@ -174,7 +207,7 @@ def _figure_class():
     return Figure
 
 
-def shown_in_notebooks(figure):
+def shown_in_notebooks(figure: Figure) -> Figure:
     """``figure``, drawn as an image when a notebook displays it. IPython draws
     matplotlib figures only once pyplot set up its inline backend; tpunb never imports
     pyplot (global state), so it registers the drawing for Figure itself."""

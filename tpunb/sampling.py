@@ -2,10 +2,20 @@
 notebook, with the DistributedSampler torch_xla users must otherwise remember to add
 (the sampler insertion Lightning does for its users)."""
 
+from __future__ import annotations
+
 import inspect
+from typing import TYPE_CHECKING
 
 from tpunb import cores
 from tpunb.errors import TpunbError
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+    from typing import Any
+
+    import torch
+    from torch.utils.data import DataLoader
 
 # Parameters of DataLoader that shard() sets itself rather than copying.
 _REPLACED = {"self", "dataset", "sampler", "batch_sampler", "shuffle"}
@@ -19,7 +29,7 @@ class ShardedLoader:
     rebuilt DataLoader (host side) and ``sampler`` its DistributedSampler.
     """
 
-    def __init__(self, loader, device):
+    def __init__(self, loader: DataLoader, device: torch.device) -> None:
         from torch_xla.distributed.parallel_loader import MpDeviceLoader
 
         self.loader = loader
@@ -27,17 +37,17 @@ class ShardedLoader:
         self.epoch = 0  # the epoch the next iteration runs
         self._device_loader = MpDeviceLoader(loader, device)
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[Any]:
         self.sampler.set_epoch(self.epoch)
         self.epoch += 1
         return iter(self._device_loader)
 
-    def __len__(self):
+    def __len__(self) -> int:
         """Batches per epoch on this rank."""
         return len(self.loader)
 
 
-def shard(loader):
+def shard(loader: DataLoader) -> ShardedLoader:
     """Inside a launched function: ``loader`` split across the cores and sent to this rank's
     device, shuffled (or not) like the original, ``set_epoch`` called each epoch."""
     rebuild = distributed_version(loader)

@@ -1,13 +1,24 @@
 """``sweep_batch_sizes``: a few training steps per candidate per-core batch size on every
 core, with the throughput each gives (and, on a TPU, the device memory it takes)."""
 
+from __future__ import annotations
+
 import dataclasses
 import statistics
 import time
 import warnings
+from typing import TYPE_CHECKING
 
 from tpunb import reports
 from tpunb.errors import TpunbWarning
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterable, Iterator
+    from typing import Any
+
+    import torch
+    from matplotlib.figure import Figure
+    from torch.utils.data import Dataset
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,15 +33,15 @@ class SweepRow:
     rounds: tuple = ()  # seconds a step in each round
 
     @property
-    def global_batch(self):
+    def global_batch(self) -> int:
         return self.per_core_batch * self.cores
 
     @property
-    def samples_per_second_per_core(self):
+    def samples_per_second_per_core(self) -> float:
         return self.per_core_batch / self.seconds_per_step
 
     @property
-    def samples_per_second(self):
+    def samples_per_second(self) -> float:
         return self.global_batch / self.seconds_per_step
 
 
@@ -74,7 +85,7 @@ class Sweep(reports.Report):
             notes,
         )
 
-    def plot(self):
+    def plot(self) -> Figure:
         """Samples/s of all cores together against the per-core batch."""
         from tpunb import plots
 
@@ -92,8 +103,16 @@ class Sweep(reports.Report):
 
 
 def sweep_batch_sizes(
-    model, dataset, batch_sizes, loss_fn, *, optimizer=None, steps=5, warmup=2, rounds=3
-):
+    model: torch.nn.Module,
+    dataset: Dataset,
+    batch_sizes: Iterable[int],
+    loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor],
+    *,
+    optimizer: Callable[[Iterator[torch.nn.Parameter]], torch.optim.Optimizer] | None = None,
+    steps: int = 5,
+    warmup: int = 2,
+    rounds: int = 3,
+) -> Sweep:
     """Train ``model`` on ``dataset`` for ``warmup`` + ``steps`` steps at each per-core batch
     size, on every core, and time the last ``steps``; ``rounds`` times over all the sizes,
     each size's time the median of its rounds (a round goes through every size, so a slow

@@ -28,16 +28,34 @@ What tpunb.lightning uses (its launcher is Lightning's own): ``preflight.plan``,
 ``supervisor.supervise``, ``rank.run`` and, inside a rank, ``recorder.current()``.
 """
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
 from tpunb import live as live_view
 from tpunb.launcher import preflight
 from tpunb.launcher.one_core import OneCore
 from tpunb.launcher.supervisor import LaunchResults, supervise
 from tpunb.launcher.xmp_spawn import XmpSpawn
 
+if TYPE_CHECKING:
+    from collections.abc import Callable
+    from typing import Any
+
+    from tpunb.launcher.supervisor import LaunchResults
+
 __all__ = ["LaunchResults", "launch"]
 
 
-def launch(fn, *args, cores=None, hang_timeout=600, live="auto", start_method="fork", **kwargs):
+def launch(
+    fn: Callable[..., Any],
+    *args: Any,
+    cores: int | None = None,
+    hang_timeout: float | None = 600,
+    live: str | bool = "auto",
+    start_method: str = "fork",
+    **kwargs: Any,
+) -> LaunchResults:
     """Run ``fn(rank, *args, **kwargs)`` on every TPU core; return the ranks' results by rank.
 
     ``cores=None`` (or the core count) runs on all cores; ``cores=1`` runs one rank in a

@@ -4,6 +4,8 @@ failure, a hang or an interrupt. Messages from the ranks (``messages.py``) feed 
 history, the compile watch and the live view; the outcome is the results by rank or the
 first failure as a ``RankError``."""
 
+from __future__ import annotations
+
 import contextlib
 import pickle
 import queue
@@ -11,6 +13,7 @@ import sys
 import threading
 import time
 import warnings
+from typing import TYPE_CHECKING
 
 from tpunb import compile_watch, history, live, platform
 from tpunb.errors import TpunbWarning
@@ -25,6 +28,13 @@ from tpunb.launcher import (
 )
 from tpunb.launcher.messages import Ended, Raised, Returned, Steps
 
+if TYPE_CHECKING:
+    from collections.abc import Iterable
+    from typing import Any
+
+    from tpunb.compile_watch import CompileSummary
+    from tpunb.history import History
+
 HANG_CHECK_SECONDS = 0.1
 # Python 3.12+ warns at every fork of a process with threads (a notebook kernel always has
 # some); xmp.spawn must fork from a notebook (README, "Notebook rules"), so a launch does
@@ -37,7 +47,7 @@ class LaunchResults(list):
     ``history`` (per rank, per step: logged values, batch shapes, compilations) and
     ``compiles`` (the compilations and their causes, summed up)."""
 
-    def __init__(self, results, history, compiles):
+    def __init__(self, results: Iterable[Any], history: History, compiles: CompileSummary) -> None:
         super().__init__(results)
         self.history = history
         self.compiles = compiles

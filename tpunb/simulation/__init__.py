@@ -15,13 +15,19 @@
 Nothing here is applied on a machine with a TPU: ``simulate`` refuses to run there.
 """
 
+from __future__ import annotations
+
 import os
+from typing import TYPE_CHECKING
 
 from tpunb import cores as core_layout
 from tpunb import hardware, platform, versions
 from tpunb.environment import env
 from tpunb.errors import TpunbError, check_count
 from tpunb.simulation import tpu_answers
+
+if TYPE_CHECKING:
+    from tpunb.environment import Environment
 
 # XLA's CPU compiler level for the simulated cores' graphs (XLA's default is 3). Level 1
 # compiles in about 0.77 of the time, later steps as fast on 2 CPUs (docs/simulation.md,
@@ -33,7 +39,9 @@ _COMPILE_LEVEL_FLAG = "--xla_backend_optimization_level"
 LAYOUTS = ("processes", "threads")
 
 
-def simulate(cores=8, instead_of_tpu=False, layout=None):
+def simulate(
+    cores: int = 8, instead_of_tpu: bool = False, layout: str | None = None
+) -> Environment:
     """Simulate a TPU with ``cores`` cores on this machine's CPU, for every later launch.
 
     ``layout="processes"`` runs each core's rank in a process of its own, as a TPU v5e-8
