@@ -25,7 +25,6 @@ import logging
 import multiprocessing
 from typing import TYPE_CHECKING
 
-from tpunb import live as live_view
 from tpunb import migration
 from tpunb.errors import TpunbError
 from tpunb.launcher import base, one_core, preflight, rank, recorder, supervisor
@@ -210,9 +209,7 @@ def trainer(
     outdated = migration.trainer_argument_error(trainer_arguments)
     if outdated:
         raise TpunbError(outdated)
-    mode = live_view.resolve(live)
-    preflight.check_hang_timeout(hang_timeout)
-    plan = preflight.plan(None)
+    plan, mode = preflight.checked(hang_timeout=hang_timeout, view=live)
     trainer_arguments.setdefault("accelerator", "tpu")
     trainer_arguments.setdefault("devices", "auto")
     trainer_arguments.setdefault("enable_progress_bar", False)

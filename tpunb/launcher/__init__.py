@@ -23,8 +23,8 @@ The machinery, one file a responsibility, in the order a launch meets it:
     processes.py    the launch's processes: recorded, found, killed
     shared_process.py  a process whose ranks are threads, made ready before they start
 
-What tpunb.lightning uses (its launcher is Lightning's own): ``preflight.plan``,
-``preflight.check_hang_timeout``, ``preflight.check_runtime_not_started``, ``base.Launcher``,
+What tpunb.lightning uses (its launcher is Lightning's own): ``preflight.checked``,
+``preflight.check_runtime_not_started`` (again at fit), ``base.Launcher``,
 ``supervisor.supervise``, ``rank.run`` and, inside a rank, ``recorder.current()``.
 """
 
@@ -32,7 +32,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from tpunb import live as live_view
 from tpunb.launcher import preflight
 from tpunb.launcher.one_core import OneCore
 from tpunb.launcher.supervisor import LaunchResults, supervise
@@ -71,11 +70,14 @@ def launch(
     ``"widgets"`` and ``"text"`` choose, ``False`` shows nothing. Both end with the
     figure of the whole run.
     """
-    preflight.check_start_method(start_method)
-    preflight.check_callable(fn, args, kwargs)
-    preflight.check_hang_timeout(hang_timeout)
-    view = live_view.resolve(live)
-    plan = preflight.plan(cores)
-    preflight.warn_about_worker_processes(plan, args, kwargs)
+    plan, view = preflight.checked(
+        cores,
+        hang_timeout=hang_timeout,
+        view=live,
+        start_method=start_method,
+        fn=fn,
+        args=args,
+        kwargs=kwargs,
+    )
     launcher = OneCore() if plan.cores == 1 else XmpSpawn(plan.cores)
     return supervise(plan, launcher, hang_timeout, view, fn, args, kwargs)

@@ -1,5 +1,6 @@
 """Everything checked before a fork: a launch that would break is refused here, with the
-fix, before any process starts."""
+fix, before any process starts. ``checked`` is the one entry point: ``tpunb.launch`` and
+``tpunb.lightning.trainer`` both go through it."""
 
 import dataclasses
 import inspect
@@ -7,7 +8,7 @@ import os
 import sys
 import warnings
 
-from tpunb import cores, platform, versions
+from tpunb import cores, live, platform, versions
 from tpunb.errors import TpunbError, TpunbWarning
 
 
@@ -17,6 +18,24 @@ class Plan:
 
     cores: int  # ranks the launch runs: all cores, or 1
     simulated: bool
+
+
+def checked(
+    requested=None, *, hang_timeout, view, start_method="fork", fn=None, args=(), kwargs=None
+):
+    """Every check before a launch of ``requested`` cores (None: all): the start method,
+    ``fn(rank, *args, **kwargs)`` if given (a launch; Lightning brings its own function),
+    the hang time-out, the live view's mode ``view`` (``live.resolve``), the cores (``plan``)
+    and the DataLoader worker processes in the arguments. Returns the ``Plan`` and the
+    view's mode; raises ``TpunbError`` (or warns) before anything is started."""
+    check_start_method(start_method)
+    if fn is not None:
+        check_callable(fn, args, kwargs or {})
+    check_hang_timeout(hang_timeout)
+    mode = live.resolve(view)
+    launch_plan = plan(requested)
+    warn_about_worker_processes(launch_plan, args, kwargs or {})
+    return launch_plan, mode
 
 
 def plan(requested=None):
