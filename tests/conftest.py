@@ -19,41 +19,42 @@ collect_ignore = ["third_party"]
 
 ROOT = pathlib.Path(__file__).parent.parent
 
-# Which run of the lessons each platform pair makes, so that each lesson runs once a pair:
-# on Kaggle's pair (torch_xla 2.8) on 8 simulated cores under nbval, against their committed
-# outputs, as on Kaggle's v5e-8; on Colab's pair (torch_xla 2.9) on one core, as on Colab's
-# v5e-1 or v6e-1 (test_lessons_on_one_core.py). With another torch_xla, both run. (The hook
-# sees the notebooks' items too: it runs for the whole collection.)
-_EIGHT_CORES = "2.8"  # Kaggle's pair: its TPU has 8 cores
-_ONE_CORE = "2.9"  # Colab's pair: its TPU has one
+# What each platform pair runs, so that CI runs nothing twice that the pairs would run alike:
+# the lessons on Kaggle's pair (torch_xla 2.8) on 8 simulated cores under nbval, against
+# their committed outputs, as on Kaggle's v5e-8; on Colab's pair (torch_xla 2.9) each on one
+# core, as on Colab's v5e-1 or v6e-1 (test_lessons_on_one_core.py); a test marked
+# ``@pytest.mark.pair("colab")`` or ``("kaggle")`` on that pair only. With another
+# torch_xla, everything runs. (The hook sees the notebooks' items too: it runs for the
+# whole collection.)
+_PAIRS = {"2.9": "colab", "2.8": "kaggle"}
 
 
 def _pair():
     try:
-        return ".".join(importlib.metadata.version("torch_xla").split(".")[:2])
+        version = importlib.metadata.version("torch_xla")
     except importlib.metadata.PackageNotFoundError:
         return None
+    return _PAIRS.get(".".join(version.split(".")[:2]))
 
 
 def pytest_collection_modifyitems(config, items):
     pair = _pair()
+    if pair is None:
+        return
     for item in items:
-        lesson_on_8 = item.path.suffix == ".ipynb" and item.path.parent.name == "notebooks"
-        lesson_on_1 = item.path.name == "test_lessons_on_one_core.py"
-        if lesson_on_8 and pair == _ONE_CORE:
-            item.add_marker(
-                pytest.mark.skip(
-                    reason="Colab's pair (torch_xla 2.9, one TPU core) runs each lesson on one "
-                    "core; Kaggle's pair (2.8) runs them on 8 under nbval"
-                )
-            )
-        elif lesson_on_1 and pair == _EIGHT_CORES:
-            item.add_marker(
-                pytest.mark.skip(
-                    reason="Kaggle's pair (torch_xla 2.8, 8 TPU cores) runs the lessons on 8 "
-                    "cores under nbval; Colab's pair (2.9) runs each on one core"
-                )
-            )
+        if item.path.suffix == ".ipynb" and item.path.parent.name == "notebooks":
+            only = "kaggle"
+            why = "the lessons run on 8 cores under nbval on Kaggle's pair, on one core here"
+        elif item.path.name == "test_lessons_on_one_core.py":
+            only = "colab"
+            why = "the lessons run on one core on Colab's pair, on 8 under nbval here"
+        else:
+            marker = item.get_closest_marker("pair")
+            if marker is None:
+                continue
+            only, why = marker.args[0], marker.kwargs.get("reason", "")
+        if only != pair:
+            item.add_marker(pytest.mark.skip(reason=f"on {only.capitalize()}'s pair only: {why}"))
 
 
 @pytest.fixture(autouse=True)

@@ -103,9 +103,11 @@ def test_without_buckets_every_new_shape_compiles_and_is_named_as_the_cause(naiv
     assert "distinct shapes so far" in shape_warnings[0]
     assert "tpunb.BucketCollate" in shape_warnings[0]
     # The per-step compilations add up to the total, and the history keeps them.
+    # The figure's bars are the summary's counts: the same total, the same warm-up.
     per_step = results.history.compiles_per_step()
-    assert sum(count for _, count, _, _ in per_step) == compiles.compiles
-    assert compiles.compile_seconds == pytest.approx(sum(s for _, _, s, _ in per_step))
+    assert sum(at.compiles for at in per_step) == compiles.compiles
+    assert sum(at.warmup for at in per_step) == compiles.warmup_compiles
+    assert compiles.compile_seconds == pytest.approx(sum(at.seconds for at in per_step))
 
 
 def test_four_buckets_compile_at_most_four_step_graphs_after_the_warm_up(naive_and_bucketed):
@@ -447,7 +449,9 @@ def test_each_process_counts_its_own_compilations_as_on_a_v5e_8():
             record = _record(step, batch, compiles=count)
             history.add(rank, [record])
             messages += watch.add(rank, [record])
+            history.judge(watch.take_verdicts())
     messages += watch.finish()
+    history.judge(watch.take_verdicts())
     [message] = messages
     assert message.startswith("step 9 compiled 1 new graph: batch shape (5, 16)")
     summary = watch.summary()
@@ -455,8 +459,10 @@ def test_each_process_counts_its_own_compilations_as_on_a_v5e_8():
     assert (summary.processes, summary.all_processes_compiles) == (2, 8)
     assert "4 in each of 2 processes" in str(summary)
     per_step = history.compiles_per_step()
-    assert sum(count for _, count, _, _ in per_step) == summary.compiles == watch.compiles
-    assert sum(seconds for _, _, seconds, _ in per_step) == pytest.approx(summary.compile_seconds)
+    assert sum(at.compiles for at in per_step) == summary.compiles == watch.compiles
+    assert sum(at.warmup for at in per_step) == summary.warmup_compiles == 3
+    assert [at.step for at in per_step if at.compiles > at.warmup] == [9]  # drawn red there
+    assert sum(at.seconds for at in per_step) == pytest.approx(summary.compile_seconds)
 
 
 def _same_graph_every_step(rank, steps):
@@ -517,9 +523,7 @@ def test_the_compile_time_summed_up_holds_all_of_torch_xlas(cores8):
     # The steps' compile seconds hold at least what torch_xla timed while the graphs compiled.
     assert results.compiles.compile_seconds >= end - start
     per_step = results.history.compiles_per_step()
-    assert sum(seconds for _, _, seconds, _ in per_step) == pytest.approx(
-        results.compiles.compile_seconds
-    )
+    assert sum(at.seconds for at in per_step) == pytest.approx(results.compiles.compile_seconds)
 
 
 def _result_read_after_the_last_sync(rank, steps):

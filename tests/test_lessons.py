@@ -4,7 +4,10 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
 
+
+@pytest.mark.pair("colab", reason="tpunb[sim,lessons] installs Colab's pair")
 def test_the_quickstart_runs_headless_and_says_where_its_figure_is(tmp_path):
     folder = tmp_path / "lessons"
     ran = subprocess.run(

@@ -162,10 +162,8 @@ def test_the_live_callback_feeds_history_compile_watch_and_text_view(cores8, tmp
     assert live.compiles.causes == []
     assert [w for w in caught if issubclass(w.category, tpunb.TpunbWarning)] == []
     # Nor does the figure draw them as the training step's own ("later", red).
-    from tpunb.compile_watch import WARMUP_BATCHES
-
     per_step = history.compiles_per_step()
-    assert [(x, n, other) for x, n, _, other in per_step if x > WARMUP_BATCHES and n > other] == []
+    assert [at for at in per_step if at.compiles > at.warmup + at.not_training] == []
     output = capsys.readouterr().out
     assert "epoch 1: 8 batches a core, loss" in output
     assert "done: epoch 2, batch 8/8" in output

@@ -8,10 +8,13 @@ import sys
 import venv
 import zipfile
 
+import pytest
 from conftest import ROOT
 
 import tpunb
 from tpunb import versions
+
+pytestmark = pytest.mark.pair("colab", reason="the same package on both pairs: built once")
 
 SOURCE = re.compile(r"git\+https://[^\s\"'`\\]+")
 

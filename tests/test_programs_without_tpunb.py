@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 from conftest import launch_leftovers, run_python
 
 THIRD_PARTY = os.path.join(os.path.dirname(__file__), "third_party")
@@ -98,6 +99,7 @@ def _pytest(args, cwd):
     return _run(["-m", "pytest", "-p", "no:cacheprovider", *args], cwd=cwd)[0]
 
 
+@pytest.mark.pair("kaggle", reason="a Kaggle notebook, on Kaggle's torch_xla")
 def test_a_kaggle_notebook_runs_unchanged_in_ci_through_the_pytest_option(tmp_path):
     # A user's repository: their notebook, no pytest configuration of tpunb's.
     shutil.copy(os.path.join(THIRD_PARTY, "kaggle_ddp.ipynb"), tmp_path)

@@ -3,7 +3,10 @@
 import subprocess
 import sys
 
+import pytest
 from conftest import ROOT
+
+pytestmark = pytest.mark.pair("colab", reason="the same code on both pairs: checked once")
 
 CODE = ["tpunb", "tests", "benchmarks"]
 

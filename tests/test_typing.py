@@ -6,7 +6,10 @@ import subprocess
 import sys
 import types
 
+import pytest
 from conftest import ROOT
+
+pytestmark = pytest.mark.pair("colab", reason="the same annotations on both pairs: checked once")
 
 
 def _public_callables():

@@ -18,6 +18,11 @@ WARMUP_STEPS = 3
 # a batch (PyTorch Lightning syncs after the optimizer step and again in its loader).
 WARMUP_BATCHES = 2
 
+# What a step's compilations were, as the watch judged them: the warm-up's, a training
+# step's own, or not a training step's (a framework's own step, the work after a rank's
+# function, the launch's last step).
+WARMUP, TRAINING, NOT_TRAINING = "warm-up", "training", "not training"
+
 # A line that reads a value an execution is still computing (the host waits for the
 # device) in this many steps after the warm-up is warned about.
 WAITING_STEPS = 5
@@ -115,6 +120,7 @@ class CompileWatch:
         self._batches = set()  # (epoch, batch) of the training loader's batches seen
         self._reads_watched = False  # do the records name the reads that cut a step?
         self._read_steps = collections.Counter()  # (kind, what, file, line) -> steps seen
+        self._verdicts = {}  # step -> what its compilations were, judged since last taken
 
     def add(self, rank, steps):
         """Takes a rank's new steps; returns the warnings they complete, once a cause."""
@@ -229,12 +235,14 @@ class CompileWatch:
         by_process, fallbacks, span, closing, reads = self._registers[number]
         read_causes = self._read_causes(number, reads)
         if number < self._warmup_end:
-            self._count_warmup(by_process)
+            self._count_warmup(number, by_process)
             return self._new_warnings(read_causes)
         # A framework's own steps (Lightning's epoch ends, validation, teardown) compile
         # their graphs once, in code the notebook does not control.
         if number in self._framework_steps:
+            self._verdicts[number] = NOT_TRAINING
             return []
+        self._verdicts[number] = TRAINING
         lowest, highest = span or (number, number)
         # After the last sync (the launch's last step, or a rank's work after its function)
         # a read such as `return loss.item()` takes a computed value: it cuts no step. A
@@ -255,7 +263,7 @@ class CompileWatch:
         shaped_at = next((n for n in around if self._new_at(n)), None)
         compiles = max(by_process.values(), default=0)  # graphs new to a process
         if compiles and shaped_at is None and lowest < self._warmup_end:
-            self._count_warmup(by_process)  # a rank was still in its warm-up
+            self._count_warmup(number, by_process)  # a rank was still in its warm-up
         elif compiles:
             new = self._new_at(shaped_at) if shaped_at is not None else []
             cause = self._compile_cause(number if shaped_at is None else shaped_at, compiles, new)
@@ -265,6 +273,8 @@ class CompileWatch:
             expected = after_training or any(n in self._framework_steps for n in around)
             if cause[0] != "graph" or not expected:
                 causes.append(cause)
+            else:
+                self._verdicts[number] = NOT_TRAINING
         return self._new_warnings(causes)
 
     def _new_warnings(self, causes):
@@ -293,9 +303,17 @@ class CompileWatch:
                 causes.append((key, message))
         return causes
 
-    def _count_warmup(self, by_process):
+    def _count_warmup(self, number, by_process):
+        self._verdicts[number] = WARMUP
         for rank, compiles in by_process.items():
             self._processes[rank].warmup += compiles
+
+    def take_verdicts(self):
+        """{step: WARMUP, TRAINING or NOT_TRAINING} of the steps judged since the last call:
+        what the step's compilations were (``history.History.judge`` keeps them, the
+        figure draws them so)."""
+        verdicts, self._verdicts = self._verdicts, {}
+        return verdicts
 
     def _place(self, number):
         """Where step ``number`` was, as a learner counts: "epoch 2, batch 3" (a step a

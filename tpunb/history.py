@@ -3,10 +3,9 @@ shapes, samples, compilations. Plain data, to plot again or save after the run."
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
 import json
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:
     import os
@@ -56,12 +55,6 @@ class Step:
     reads: list | None = None
 
 
-def _any_between(ordered, low, high):
-    """Whether the sorted list ``ordered`` holds a number from ``low`` to ``high``."""
-    at = bisect.bisect_left(ordered, low)
-    return at < len(ordered) and ordered[at] <= high
-
-
 def _training_steps(steps):
     """The training step each record ends in, and the training steps after which a new
     epoch begins. A training step is a batch of the training loader: the k-th batch a rank
@@ -107,6 +100,16 @@ def _rates(steps, over):
     return numbers, rates
 
 
+class CompilesAt(NamedTuple):
+    """A training step's compilations (``History.compiles_per_step``)."""
+
+    step: int
+    compiles: int
+    seconds: float
+    not_training: int
+    warmup: int
+
+
 class History:
     """``history.steps[rank]`` is the list of that rank's steps, in order (see
     ``Step``). ``rows()`` flattens them to dicts; ``save`` and
@@ -117,6 +120,7 @@ class History:
         self._names = {}  # logged names in the order first seen, kept as steps arrive
         self._last = {rank: {} for rank in range(ranks)}  # rank -> name -> last value
         self._progress_of = {}  # rank -> (records, _training_steps of them)
+        self.verdicts = {}  # step -> what its compilations were, as the compile watch judged
 
     def add(self, rank: int, steps: Iterable[Step]) -> None:
         self.steps[rank].extend(steps)
@@ -170,16 +174,19 @@ class History:
                 found[rank] = tuple(map(list, zip(*pairs, strict=True)))
         return found
 
-    def compiles_per_step(self) -> list[tuple[int, int, float, int]]:
-        """[(training step, compilations, compile seconds, compilations not of a training
-        step)] of the process that compiled most (torch_xla compiles and counts per
-        process; on a v5e-8 each process compiles the same graphs), as the compile watch's
-        summary counts them; compilations before the first batch are at step 0. Not of a
-        training step, as the compile watch judges them: those of torch_xla's helpers
-        (xm.rendezvous, xm.mesh_reduce, step closures), those of a framework's own steps
-        (Lightning's epoch ends, validation) and the steps either side of one, and the work
-        after a rank's function returned (``process_closing``). They are also counted in the
-        compilations."""
+    def judge(self, verdicts: dict[int, str]) -> None:
+        """Keeps the compile watch's verdicts ({step: "warm-up", "training" or "not
+        training"}): what each step's compilations were."""
+        self.verdicts.update(verdicts)
+
+    def compiles_per_step(self) -> list[CompilesAt]:
+        """The compilations of the process that compiled most (torch_xla compiles and counts
+        per process; on a v5e-8 each process compiles the same graphs) at each training step
+        where it compiled, as the compile watch judged them (its summary counts the same);
+        compilations before the first batch are at step 0. ``not_training``: those of
+        torch_xla's helpers (xm.rendezvous, xm.mesh_reduce, step closures) and of steps
+        that are not a training step's (a framework's own, the work after a rank's
+        function); ``warmup``: the warm-up's. Both are counted in ``compiles`` too."""
         reporters = {
             rank: sum(s.compiles for s in steps if s.compiles is not None)
             for rank, steps in self.steps.items()
@@ -188,22 +195,20 @@ class History:
         if not reporters:
             return []
         rank = max(sorted(reporters), key=reporters.get)  # the lowest rank where equal
-        framework = sorted({s.step for steps in self.steps.values() for s in steps if s.framework})
         totals = {}
         for x, s in zip(self.training_steps(rank), self.steps[rank], strict=True):
             if s.compiles is None:
                 continue
-            lowest, highest = s.process_steps or (s.step, s.step)
-            not_training = (
-                s.framework or s.process_closing or _any_between(framework, lowest - 1, highest + 1)
-            )
-            count, seconds, other = totals.get(x, (0, 0.0, 0))
+            verdict = self.verdicts.get(s.step, "training")  # not judged yet: the step's
+            helpers = s.helper_compiles or 0
+            count, seconds, other, warmup = totals.get(x, (0, 0.0, 0, 0))
             totals[x] = (
                 count + s.compiles,
                 seconds + s.compile_seconds,
-                other + (s.compiles if not_training else s.helper_compiles or 0),
+                other + (s.compiles if verdict == "not training" else helpers),
+                warmup + (s.compiles - helpers if verdict == "warm-up" else 0),
             )
-        return [(x, *totals[x]) for x in sorted(totals)]
+        return [CompilesAt(x, *totals[x]) for x in sorted(totals)]
 
     def samples_per_second(
         self, rank: int | None = None, over: int = 10
@@ -240,7 +245,7 @@ class History:
 
     def save(self, path: str | os.PathLike) -> None:
         with open(path, "w") as file:
-            json.dump({"ranks": self.ranks, "rows": self.rows()}, file)
+            json.dump({"ranks": self.ranks, "rows": self.rows(), "verdicts": self.verdicts}, file)
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> History:
@@ -253,6 +258,7 @@ class History:
             if row.get("process_steps") is not None:
                 row["process_steps"] = tuple(row["process_steps"])
             history.add(rank, [Step(**row)])
+        history.judge({int(step): verdict for step, verdict in saved.get("verdicts", {}).items()})
         return history
 
     def plot(self, **figure_options: Any) -> Figure:

@@ -307,19 +307,18 @@ def _draw_throughput(ax, history, _name):
 
 
 def _draw_compiles(ax, history, _name):
-    from tpunb.compile_watch import WARMUP_BATCHES
-
-    steps, counts, seconds, helpers = zip(*history.compiles_per_step(), strict=True)
+    per_step = history.compiles_per_step()
+    steps = [at.step for at in per_step]
     width = max(0.8, steps[-1] / 150)  # visible however many steps
     warmup, later, helper = [], [], []
-    for x, n, h in zip(steps, counts, helpers, strict=True):
-        if n and x <= WARMUP_BATCHES:
-            warmup.append((x, n, 0))
-        elif n:  # after the warm-up: graphs not of the step stacked on the step's
-            if n - h:
-                later.append((x, n - h, 0))
-            if h:
-                helper.append((x, h, n - h))
+    for at in per_step:  # as the compile watch judged each step
+        own = at.compiles - at.warmup - at.not_training  # a training step's own, later
+        if at.warmup:
+            warmup.append((at.step, at.warmup, 0))
+        if own:
+            later.append((at.step, own, at.warmup))
+        if at.not_training:  # stacked on the step's own
+            helper.append((at.step, at.not_training, at.warmup + own))
     for bars, color, label in (
         (warmup, "tab:gray", "warm-up: the first steps compile the graphs"),
         (later, "tab:red", "later: a graph not seen before (new shape?)"),
@@ -335,8 +334,8 @@ def _draw_compiles(ax, history, _name):
     twin = ax.twinx()
     total = 0.0
     cumulative = []
-    for s in seconds:
-        total += s
+    for at in per_step:
+        total += at.seconds
         cumulative.append(total)
     twin.plot(steps, cumulative, color="black", lw=1, alpha=0.6, label="compile seconds so far")
     twin.set_ylabel("compile seconds, total")

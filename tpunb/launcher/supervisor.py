@@ -154,6 +154,7 @@ class _Supervisor:
             steps = message.steps()
             self.history.add(message.rank, steps)
             self._warn(self.compile_watch.add(message.rank, steps))
+            self.history.judge(self.compile_watch.take_verdicts())
         elif isinstance(message, Returned):
             self.results.update(message.results)
         elif isinstance(message, Raised):
@@ -206,6 +207,7 @@ class _Supervisor:
                 launcher_error=self.ended.error if self.ended else None,
             )
         self._warn(self.compile_watch.finish())
+        self.history.judge(self.compile_watch.take_verdicts())
         return LaunchResults(
             [pickle.loads(self.results[r]) for r in expected],
             self.history,
