@@ -12,10 +12,9 @@ from tpunb.errors import TpunbError
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
+    from typing import Any
 
     from matplotlib.figure import Figure
-
-    from tpunb.history import History
 
 STEP = "training step (one batch on each core)"
 SMOOTH_FROM = 20  # points in a line from which it is drawn smoothed over the raw one
@@ -23,7 +22,11 @@ DPI = 90  # figures shown in a notebook
 
 
 def history_figure(
-    history: History, width: float = 10.0, panel_height: float = 2.6, fixed_layout: bool = False
+    # a tpunb.History: not imported here, History.plot() imports this module
+    history: Any,
+    width: float = 10.0,
+    panel_height: float = 2.6,
+    fixed_layout: bool = False,
 ) -> Figure:
     """A matplotlib Figure with one panel per logged value, one for throughput (when the
     loader's batches were recorded) and one for compilations per step. ``fixed_layout``
