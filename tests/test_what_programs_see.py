@@ -72,8 +72,8 @@ def test_torch_xlas_debug_output_names_the_users_sync_and_line(layout):
     for cause, frames in analyses:
         assert cause == "user torch_xla.sync"
         if layout == "threads" and frames[0][0] == "train":
-            # Seen once (a full run on 2 loaded CPUs): torch_xla printed a rank thread's frames without
-            # its `sync` (read after it returned): the user's line is still first.
+            # Seen once (a full run on 2 loaded CPUs): torch_xla printed a rank thread's
+            # frames without its `sync` (read after it returned); the user's line is first.
             frames = [("sync", "torch_xla.py", 0), *frames]
         (sync, sync_file, _), (user, user_file, user_line) = frames[:2]
         assert (sync, os.path.basename(sync_file)) == ("sync", "torch_xla.py")
