@@ -87,11 +87,10 @@ def _wrapped(torch, name, method, on_read, libraries):
             and not torch.compiler.is_compiling()
             and _reads_to_host(torch, name, args, kwargs)
         ):
-            where = _user_line(libraries)
+            kind = _kind(torch_xla, self)  # most reads copy a value that is there: None
+            where = _user_line(libraries) if kind is not None else None
             if where is not None:
-                kind = _kind(torch_xla, self)
-                if kind is not None:
-                    on_read(kind, _READS[name], *where)
+                on_read(kind, _READS[name], *where)
         _inside.depth = getattr(_inside, "depth", 0) + 1
         try:
             return method(self, *args, **kwargs)
