@@ -6,6 +6,9 @@
    hand with xmp.spawn (target: at most 1.05).
 3. The hang watchdog's cost: the same epoch with the watchdog on (the default) against
    hang_timeout=None (target: nothing measurable, i.e. within noise of 1.00).
+4. The ledger of collective calls (tpunb/launcher/ledger.py, always on): the same epoch
+   against the same launch with the recording taken out (target: at most 1.02), and what
+   one recorded call costs (xm.optimizer_step's all-reduce of the model's gradients).
 
 Runs alternate between the two sides so drift on the machine hits both alike; each
 figure is the median of the repeats, and the ratio of the best runs is printed too (on
@@ -84,6 +87,37 @@ def against_xmp_spawn(fn):
     }
 
 
+def without_ledger(fn):
+    """tpunb.launch(fn) with no collective call recorded (for this measurement only)."""
+    import contextlib
+
+    from tpunb.launcher import ledger
+
+    recorded = ledger.recorded
+    ledger.recorded = lambda on_call: contextlib.nullcontext()
+    try:
+        return tpunb.launch(fn)
+    finally:
+        ledger.recorded = recorded
+
+
+def one_recorded_call(calls=2000):
+    """Seconds a call of the ledger's, for the all-reduce of the model's gradients."""
+    import sys
+
+    from tpunb.launcher import ledger
+
+    book = ledger.Ledger(1)
+    gradients = [p.detach() for p in MODEL.parameters()]
+    frame = sys._getframe()
+    start = time.perf_counter()
+    for _ in range(calls):
+        book.record(0, 0, "all_reduce", ("sum", gradients), {"scale": 0.125}, frame)
+    elapsed = (time.perf_counter() - start) / calls
+    book.close()
+    return elapsed
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=7)
@@ -97,6 +131,12 @@ def main():
         "watchdog on": lambda: tpunb.launch(epoch),
     }
     compare("the same epoch, hang watchdog", watchdog, repeats, 1.00)
+    ledger = {
+        "ledger off": lambda: without_ledger(epoch),
+        "ledger on": lambda: tpunb.launch(epoch),
+    }
+    compare("the same epoch, collective ledger", ledger, repeats, 1.02)
+    print(f"one recorded collective call: {one_recorded_call() * 1e6:.1f} us (a call a step)")
 
 
 if __name__ == "__main__":

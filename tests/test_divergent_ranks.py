@@ -1,12 +1,15 @@
 """Code that differs between ranks works on 8 simulated cores as on a TPU, or stops at once
 with its cause named (never XLA's 10 s rendezvous abort)."""
 
+import os
 import time
+import warnings
 
 import pytest
 import torch
 
 import tpunb
+from tpunb.simulation import calls
 from tpunb.simulation.collectives import CollectiveMismatch
 
 CORES = 8
@@ -44,10 +47,19 @@ def _last_batch_smaller_on_rank_3(rank, other_collective):
         rows = 3 if rank == 3 and step == 2 else 4
         value = torch.ones(rows, 2, device=device)
         if other_collective and rank == 3 and step == 2:
-            xm.all_gather(torch.ones(4, 2, device=device))
+            xm.all_gather(torch.ones(4, 2, device=device))  # line: other collective
         else:
-            xm.all_reduce(xm.REDUCE_SUM, value)
+            xm.all_reduce(xm.REDUCE_SUM, value)  # line: the collective
         torch_xla.sync()
+
+
+def _line(marker):
+    """The line of this file that ends with ``# line: marker``."""
+    with open(__file__) as source:
+        for number, text in enumerate(source, 1):
+            if text.rstrip().endswith(f"# line: {marker}"):
+                return f"{__file__}, line {number}"
+    raise AssertionError(marker)
 
 
 @pytest.mark.parametrize("other_collective", [False, True], ids=["shape", "collective"])
@@ -59,17 +71,15 @@ def test_ranks_making_different_collective_calls_stop_at_once_with_the_cause(
         tpunb.launch(_last_batch_smaller_on_rank_3, other_collective)
     assert time.monotonic() - start < 10
     message = str(caught.value)
-    assert "raised CollectiveMismatch" in message
-    assert "as their collective number 3" in message
-    assert "rank 0, step 3: all_reduce('sum', float32[4, 2]) called from" in message
-    if other_collective:  # xm.all_gather all-reduces a tensor with a slot for each rank
-        assert (
-            "rank 3, step 3: all_reduce('sum', float32[32, 2], groups=None) (in all_gather)"
-            in message
-        )
+    assert "at their collective call number 3 they made different calls" in message
+    assert "ranks 0-2, 4-7: all_reduce('sum', float32[4, 2]) at " in message
+    assert f"{_line('the collective')}, in step 3" in message
+    if other_collective:
+        assert "rank 3: all_gather(float32[4, 2]) at " in message
+        assert f"{_line('other collective')}, in step 3" in message
     else:
-        assert "rank 3, step 3: all_reduce('sum', float32[3, 2]) called from" in message
-    assert "test_divergent_ranks.py" in message and "in _last_batch_smaller_on_rank_3" in message
+        assert "rank 3: all_reduce('sum', float32[3, 2]) at " in message
+    assert caught.value.ranks == (3,)
     assert issubclass(CollectiveMismatch, tpunb.TpunbError)
 
 
@@ -96,3 +106,182 @@ def test_manual_seed_in_every_rank_gives_every_core_the_same_weights(cores8):
     reference = _reference_model(3)
     for weights in results:
         assert all(torch.equal(w, r) for w, r in zip(weights, reference, strict=True))
+
+
+# Ranks that take different paths to their collectives, as on a TPU: each is named by the
+# launch's ledger of collective calls (tpunb/launcher/ledger.py), with its line, whether the
+# simulation's own check stops the ranks at once or lets them wait as a TPU's would.
+
+
+def _collective_under_if(rank):
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+
+    total = torch.ones(4, device=torch_xla.device())
+    if rank == 0:
+        total = xm.all_reduce(xm.REDUCE_SUM, total)  # line: under the if
+    total = xm.all_reduce(xm.REDUCE_SUM, total)  # line: on every rank
+    torch_xla.sync()
+
+
+def _rendezvous_on_one_rank(rank):
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+
+    weights = torch.ones(4, device=torch_xla.device())
+    for step in range(3):
+        weights = xm.all_reduce(xm.REDUCE_SUM, weights) / CORES  # line: the step all-reduce
+        torch_xla.sync()
+        if rank == 0 and step == 1:
+            xm.rendezvous("checkpoint written")  # line: rendezvous
+
+
+def _uneven_batches(rank):
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+
+    # 130 samples split by hand, without DistributedSampler's padding: ranks 0 and 1 get
+    # 17, the others 16, so 5 batches of 4 against 4.
+    samples = torch.arange(130.0)[rank::CORES]
+    for batch in torch.utils.data.DataLoader(samples, batch_size=4):
+        loss = batch.to(torch_xla.device()).mean()
+        xm.all_reduce(xm.REDUCE_SUM, [loss])  # line: a batch all-reduce
+        torch_xla.sync()
+
+
+def _evaluation_on_rank_0(rank):
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+
+    weights = torch.ones(4, device=torch_xla.device())
+    for _step in range(2):
+        weights = xm.all_reduce(xm.REDUCE_SUM, weights) / CORES  # line: training all-reduce
+        torch_xla.sync()
+    if rank == 0:  # an extra graph on rank 0, and an accuracy reduced over the ranks
+        accuracy = (weights > 0.5).float().mean()
+        torch_xla.sync()
+        xm.mesh_reduce("accuracy", accuracy.item(), sum)  # line: evaluation
+
+
+DIVERGENCES = {
+    "collective under an if": (
+        _collective_under_if,
+        2,
+        [
+            f"rank 0: all_reduce('sum', float32[4]) at {_line('on every rank')}, in step 1",
+            "ranks 1-7: made none: returned after 1 collective call",
+            (
+                "Their paths parted earlier, at call number 1, made from different lines:\n"
+                f"  rank 0: all_reduce('sum', float32[4]) at {_line('under the if')}, in step 1\n"
+                f"  ranks 1-7: all_reduce('sum', float32[4]) at {_line('on every rank')}, in step 1"
+            ),
+        ],
+    ),
+    "rendezvous on one rank": (
+        _rendezvous_on_one_rank,
+        3,
+        [
+            (
+                f"rank 0: all_gather(int32[1]) at {_line('rendezvous')} (through torch_xla's "
+                "rendezvous), in step 4"
+            ),
+            f"ranks 1-7: all_reduce('sum', float32[4]) at {_line('the step all-reduce')}",
+        ],
+    ),
+    "uneven batches": (
+        _uneven_batches,
+        5,
+        [
+            (
+                f"ranks 0, 1: all_reduce('sum', [float32[]]) at {_line('a batch all-reduce')}, "
+                "in step 5"
+            ),
+            "ranks 2-7: made none: returned after 4 collective calls",
+        ],
+    ),
+    "an extra graph on rank 0": (
+        _evaluation_on_rank_0,
+        3,
+        [
+            (
+                f"rank 0: all_gather(int32[1]) at {_line('evaluation')} (through torch_xla's "
+                "mesh_reduce)"
+            ),
+            "ranks 1-7: made none: returned after 2 collective calls",
+        ],
+    ),
+}
+
+
+def _assert_named(caught, position, lines, seconds):
+    assert seconds < 15
+    message = str(caught.value)
+    assert f"at their collective call number {position} they made different calls" in message
+    for line in lines:
+        assert line in message
+    assert "Every rank must make the same collective calls in the same order." in message
+
+
+@pytest.mark.parametrize("waits", [False, True], ids=["check on", "check off"])
+@pytest.mark.parametrize("divergence", DIVERGENCES)
+def test_ranks_that_take_different_paths_are_named_with_their_lines_at_once(
+    cores8, monkeypatch, no_children_left, divergence, waits
+):
+    """With the simulation's own check off, a rank waits at a collective that can never
+    complete as on a TPU, and only the launch's ledger can name the divergence."""
+    monkeypatch.setattr(calls, "STOP_UNMATCHED", not waits)
+    function, position, lines = DIVERGENCES[divergence]
+    start = time.monotonic()
+    with warnings.catch_warnings(), pytest.raises(tpunb.RankError) as caught:
+        warnings.simplefilter("ignore", tpunb.TpunbWarning)  # the paths parting: below
+        tpunb.launch(function, live=False)
+    _assert_named(caught, position, lines, time.monotonic() - start)
+
+
+@pytest.mark.parametrize("divergence", ["collective under an if", "rendezvous on one rank"])
+def test_ranks_waiting_as_on_a_tpu_in_their_own_processes_are_named_too(
+    cores8_processes, monkeypatch, no_children_left, divergence
+):
+    monkeypatch.setattr(calls, "STOP_UNMATCHED", False)
+    function, position, lines = DIVERGENCES[divergence]
+    start = time.monotonic()
+    with warnings.catch_warnings(), pytest.raises(tpunb.RankError) as caught:
+        warnings.simplefilter("ignore", tpunb.TpunbWarning)
+        tpunb.launch(function, live=False)
+    _assert_named(caught, position, lines, time.monotonic() - start)
+
+
+def test_the_same_call_from_other_lines_is_warned_about_as_it_happens(cores8):
+    with pytest.warns(tpunb.TpunbWarning) as warned, pytest.raises(tpunb.RankError):
+        tpunb.launch(_collective_under_if, live=False)
+    [warning] = [w for w in warned if "from different lines" in str(w.message)]
+    assert str(warning.message).startswith(
+        "The ranks made their collective call number 1 from different lines:\n"
+        f"  rank 0: all_reduce('sum', float32[4]) at {_line('under the if')}, in step 1\n"
+    )
+    assert warning.filename == __file__  # shown at the launch's line
+
+
+def _same_calls_and_point_to_point(rank):
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+
+    device = torch_xla.device()
+    value = torch.full((2,), float(rank), device=device)
+    for _ in range(3):
+        value = xm.all_reduce(xm.REDUCE_SUM, value) / CORES
+        torch_xla.sync()
+    xm.save({"value": value}, os.devnull)  # the master writes; no collective in 2.8, 2.9
+    if rank in (0, 1):  # rank 0 sends, rank 1 receives: other calls by design
+        if rank == 0:
+            xm.send(value, 7)
+        else:
+            value = xm.recv(torch.zeros(2, device=device), 7)
+    return value.cpu().tolist()
+
+
+def test_ranks_that_stay_together_are_left_alone(cores8, no_children_left):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tpunb.TpunbWarning)
+        results = tpunb.launch(_same_calls_and_point_to_point, live=False)
+    assert results[2] == pytest.approx([3.5, 3.5])

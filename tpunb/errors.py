@@ -1,6 +1,6 @@
-"""The errors tpunb raises: one class for the package, one for failures inside a rank, one
-for a rank stopped by another's end, and one warning class; plus the one check of a count
-that every call uses."""
+"""The errors tpunb raises: one class for the package, one for failures inside a rank, two
+for simulated ranks whose collectives can never complete, and one warning class; plus the
+one check of a count that every call uses."""
 
 from __future__ import annotations
 
@@ -49,6 +49,11 @@ class RankEnded(TpunbError):
 
     def __reduce__(self):  # sent between processes (the process layout, xmp.spawn's pool)
         return type(self), (str(self), self.cause)
+
+
+class CollectiveMismatch(TpunbError):
+    """On simulated cores: ranks called different collectives at the same point, so they
+    can never meet (the launch's ledger of collective calls names it on a TPU too)."""
 
 
 class TpunbWarning(UserWarning):

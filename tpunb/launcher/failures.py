@@ -123,8 +123,9 @@ def lost_error(missing, exits, rank_pids, simulated, launcher_error):
     )
 
 
-def hang_error(hang):
-    """Groups the running ranks by step and by where they wait."""
+def hang_error(hang, collectives=None):
+    """Groups the running ranks by step and by where they wait; ``collectives``: which
+    ranks made more collective calls than others, in words (``ledger.Watch.behind``)."""
     groups = {}
     for rank in hang.running:
         groups.setdefault((hang.steps[rank], _where(hang.stacks.get(rank))), []).append(rank)
@@ -137,6 +138,12 @@ def hang_error(hang):
         "launch was stopped. A step ends at each torch_xla.sync() (MpDeviceLoader calls it "
         "every batch). Where the ranks were:\n" + "\n".join(lines)
     )
+    if collectives:
+        message += (
+            "\nSome ranks made more collective calls than others, and wait for the others "
+            f"to make them:\n{collectives}\nEvery rank must make the same collective calls "
+            "in the same order."
+        )
     for ranks in groups.values():
         if ranks[0] in hang.stacks:
             message += (
@@ -169,8 +176,12 @@ _COLLECTIVES = [
 
 
 def span(ranks):
-    """ "0-7", or "1, 3" """
-    ranks = sorted(ranks)
-    if len(ranks) > 2 and ranks == list(range(ranks[0], ranks[-1] + 1)):
-        return f"{ranks[0]}-{ranks[-1]}"
-    return ", ".join(map(str, ranks))
+    """ "0-7", "1, 3", "0-2, 4-7": runs of three or more ranks as a range."""
+    ranks, parts = sorted(ranks), []
+    start = 0
+    for end in range(1, len(ranks) + 1):
+        if end == len(ranks) or ranks[end] != ranks[end - 1] + 1:
+            run = ranks[start:end]
+            parts += [f"{run[0]}-{run[-1]}"] if len(run) > 2 else map(str, run)
+            start = end
+    return ", ".join(parts)

@@ -8,14 +8,15 @@ inside the notebook's step and end none. torch_xla's helpers that read device va
 only after a sync (``xm.add_step_closure``'s closures, ``xm.rendezvous`` and
 ``xm.mesh_reduce`` through ``xm.xla_rendezvous``) have the CPU fallbacks they make
 excused: they cut no graph. Reads of device values that cut the step or wait for the
-device are recorded with their line (``reads.py``). The fork hands the hooks to the
+device are recorded with their line (``reads.py``), and so are collective calls
+(``ledger.py``). The fork hands the hooks to the
 ranks; the parent's own behaviour is unchanged (no rank runs in it) and restored
 afterwards."""
 
 import contextlib
 
 from tpunb import step_hooks
-from tpunb.launcher import heartbeat, process_counters, reads, recorder
+from tpunb.launcher import heartbeat, ledger, process_counters, reads, recorder
 
 # Its extract_graph_helper and extract_compiled_graph_helper call torch_xla.sync() to
 # materialize the compiled graph's inputs.
@@ -41,6 +42,12 @@ def _on_read(kind, what, file, line):
     steps = recorder.current()
     if steps is not None:
         steps.read(kind, what, file, line)
+
+
+def _on_collective(name, args, kwargs, frame):
+    steps = recorder.current()
+    if steps is not None:
+        steps.collective(name, args, kwargs, frame)
 
 
 @contextlib.contextmanager
@@ -69,7 +76,7 @@ def installed():
     # xm.rendezvous and xm.mesh_reduce call it; it reads the gathered sizes after a sync.
     xm.xla_rendezvous = process_counters.excusing(xla_rendezvous)
     try:
-        with reads.watched(_on_read):
+        with reads.watched(_on_read), ledger.recorded(_on_collective):
             yield
     finally:
         step_hooks.remove(syncs)

@@ -36,7 +36,8 @@ class Raised(typing.NamedTuple):
     rank: int
     description: str  # "raised ValueError: ...", with the likely cause when known
     traceback: str | None  # the rank's own traceback text; None when it did not raise
-    consequence: bool = False  # RankEnded: stopped by another rank's end (simulated cores)
+    # RankEnded, CollectiveMismatch: stopped by the simulation's checks, not the cause
+    consequence: bool = False
 
 
 class Returned(typing.NamedTuple):

@@ -14,8 +14,8 @@ import time
 import traceback
 
 from tpunb import cores
-from tpunb.errors import RankEnded
-from tpunb.launcher import channel, failures, heartbeat, recorder
+from tpunb.errors import CollectiveMismatch, RankEnded
+from tpunb.launcher import channel, failures, heartbeat, ledger, recorder
 from tpunb.launcher.messages import Raised, Returned
 
 _jobs = {}
@@ -36,6 +36,7 @@ class Job:
     cores: int
     channel: channel.Channel
     heartbeat: heartbeat.Heartbeat
+    ledger: ledger.Ledger  # each rank's collective calls
     start: float = dataclasses.field(default_factory=time.monotonic)
     # pid -> the rank that reports the process's compilations (torch_xla counts per process)
     compile_reporters: dict = dataclasses.field(default_factory=dict)
@@ -61,13 +62,18 @@ def run(key, rank, work=None):
     job.heartbeat.enter(rank)
     reports_compiles = job.compile_reporters.setdefault(os.getpid(), rank) == rank
     steps = recorder.Recorder(
-        rank, job.channel, job.start, job.heartbeat if reports_compiles else None
+        rank,
+        job.channel,
+        job.start,
+        job.heartbeat if reports_compiles else None,
+        job.ledger if job.cores > 1 else None,
     )
     recorder.enter(steps)
     try:
         try:
             try:
                 result = work(rank)
+                job.ledger.returned(rank)
             finally:
                 job.heartbeat.function_returned(rank)
             steps.finish()
@@ -78,7 +84,9 @@ def run(key, rank, work=None):
                 frames = frames.tb_next
             remote = traceback.format_exception(type(error), error, frames)
             steps.flush_finished_steps()  # the history up to the error, for the plots
-            stopped = isinstance(error, RankEnded)  # by another rank's end: not the cause
+            # Stopped by another rank's end, or by calls that differ: the simulation's checks;
+            # the launch's own ledger names the cause (ledger.py).
+            stopped = isinstance(error, (RankEnded, CollectiveMismatch))
             job.channel.send(Raised(rank, failures.describe(error), "".join(remote), stopped))
             return
         try:

@@ -17,6 +17,8 @@ import os
 import sys
 import threading
 
+from tpunb import program_lines
+
 # Method name -> how a learner writes the read.
 _READS = {
     "item": ".item()",
@@ -43,15 +45,7 @@ def _user_line(libraries):
         frame = frame.f_back
     if frame is None or frame.f_code.co_filename.startswith(_TPUNB):
         return None
-    return _cell_or_file(frame.f_code.co_filename), frame.f_lineno
-
-
-def _cell_or_file(filename):
-    """A notebook cell's code as IPython names it in tracebacks ("In[3]"), not its
-    temporary file; a script's file as given."""
-    shell = sys.modules.get("IPython") and sys.modules["IPython"].get_ipython()
-    name = getattr(getattr(shell, "compile", None), "format_code_name", lambda _: None)(filename)
-    return f"cell {name[1]}" if name else filename
+    return program_lines.cell_or_file(frame.f_code.co_filename), frame.f_lineno
 
 
 def _reads_to_host(torch, name, args, kwargs):
@@ -81,10 +75,11 @@ def _wrapped(torch, name, method, on_read, libraries):
     import torch_xla
 
     def read(self, *args, **kwargs):
+        if torch.compiler.is_compiling():  # dynamo traces the method alone (no graph break)
+            return method(self, *args, **kwargs)
         if (
             getattr(_inside, "depth", 0) == 0
             and self.device.type == "xla"
-            and not torch.compiler.is_compiling()
             and _reads_to_host(torch, name, args, kwargs)
         ):
             kind = _kind(torch_xla, self)  # most reads copy a value that is there: None
@@ -108,9 +103,8 @@ def watched(on_read):
     device calls ``on_read(kind, what, file, line)`` in the reading thread (``kind``: "cut"
     or "wait", as ``_kind`` tells)."""
     import torch
-    import torch_xla
 
-    libraries = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch, torch_xla))
+    libraries = program_lines.libraries(own=False)
     saved = {name: torch.Tensor.__dict__.get(name, _MISSING) for name in _READS}
     for name in _READS:
         method = getattr(torch.Tensor, name)

@@ -20,8 +20,9 @@ _rank = threading.local()  # in a rank's thread: its Recorder
 class Recorder:
     """A rank's steps: filled in its thread, sent over the launch's channel."""
 
-    def __init__(self, rank, channel, start, heartbeat=None):
-        """``heartbeat``: given to the one rank a process that reports its compilations."""
+    def __init__(self, rank, channel, start, heartbeat=None, ledger=None):
+        """``heartbeat``: given to the one rank a process that reports its compilations;
+        ``ledger``: where the rank's collective calls go (``ledger.py``), if it has peers."""
         self.rank = rank
         self.channel = channel
         self.start = start
@@ -37,6 +38,7 @@ class Recorder:
         self._counters = ProcessCounters(heartbeat) if heartbeat is not None else None
         self._in_framework = False  # a framework's own steps, outside its training loop
         self._reads = {}  # (cut, what, file, line) -> times read in the current step
+        self._ledger = ledger
 
     def log(self, values):
         """Records ``values`` (name -> number or one-element tensor) for the current step."""
@@ -49,6 +51,11 @@ class Recorder:
         if not excused_here():
             key = (kind, what, file, line)
             self._reads[key] = self._reads.get(key, 0) + 1
+
+    def collective(self, name, args, kwargs, frame):
+        """A collective call about to run (``ledger.recorded``), made from ``frame``."""
+        if self._ledger is not None:
+            self._ledger.record(self.rank, self.step, name, args, kwargs, frame)
 
     def framework_steps(self, on):
         """From now on, steps are a framework's own (``on``: Lightning's setup, validation,

@@ -22,6 +22,7 @@ from tpunb.launcher import (
     failures,
     heartbeat,
     hooks,
+    ledger,
     processes,
     rank,
     shared_process,
@@ -36,6 +37,9 @@ if TYPE_CHECKING:
     from tpunb.history import History
 
 HANG_CHECK_SECONDS = 0.1
+# Ranks that the simulation's checks stopped (RankEnded, CollectiveMismatch) did not fail:
+# the other ranks get this long to return, so that the launch's ledger sees what they did.
+SETTLE_SECONDS = 1.0
 # Python 3.12+ warns at every fork of a process with threads (a notebook kernel always has
 # some); xmp.spawn must fork from a notebook (README, "Notebook rules"), so a launch does
 # not repeat the warning in every cell.
@@ -59,7 +63,13 @@ def supervise(plan, launcher, hang_timeout, view, fn=None, args=(), kwargs=None)
     the ranks run, unless the launcher gives them their work itself (``rank.run(key,
     rank, work)``). ``view`` is a mode of ``live.resolve``."""
     job = rank.Job(
-        fn, args, kwargs or {}, plan.cores, channel.Channel(), heartbeat.Heartbeat(plan.cores)
+        fn,
+        args,
+        kwargs or {},
+        plan.cores,
+        channel.Channel(),
+        heartbeat.Heartbeat(plan.cores),
+        ledger.Ledger(plan.cores),
     )
     key = rank.register(job)
     try:
@@ -75,7 +85,9 @@ def supervise(plan, launcher, hang_timeout, view, fn=None, args=(), kwargs=None)
             watchdog = heartbeat.Watchdog(job.heartbeat, hang_timeout, stacks)
             return _Supervisor(plan, job, key, launcher, watchdog, view).run()
     finally:
-        rank.unregister(key).heartbeat.close()
+        job = rank.unregister(key)
+        job.heartbeat.close()
+        job.ledger.close()
 
 
 class _Supervisor:
@@ -88,6 +100,9 @@ class _Supervisor:
         self.history = history.History(plan.cores)
         self.compile_watch = compile_watch.CompileWatch(plan.cores)
         self.view = live.Guarded(live.view(view, self.history, self.compile_watch))
+        self.calls = ledger.Watch(job.ledger)  # the ranks' collective calls, compared
+        self.divergence = None
+        self._stopped_since = None  # when a simulated rank was first stopped by a check
         self.processes = []  # the launch's multiprocessing.Process objects: exit codes
         self.results = {}  # rank -> pickled result
         self.failures = {}  # rank -> Raised
@@ -143,8 +158,10 @@ class _Supervisor:
             self.view.update()
             if time.monotonic() >= next_check and not self.stopping:  # however busy the inbox
                 self.hang = self.watchdog.check()
+                warned, self.divergence = self.calls.check()
+                self._warn(warned)
                 next_check = time.monotonic() + HANG_CHECK_SECONDS
-            if self.failures or self.hang:  # the first failure stops every rank
+            if self._failed():  # the first failure stops every rank
                 self.stopping = True
             if self.stopping:  # again on every turn: processes may still be starting
                 processes.kill_trees(self._pids())
@@ -181,9 +198,31 @@ class _Supervisor:
         for message in messages:
             warnings.warn(message, TpunbWarning, stacklevel=_outside_tpunb())
 
+    def _failed(self):
+        if self.hang or self.divergence:
+            return True
+        if not self.failures:
+            return False
+        if any(not failure.consequence for failure in self.failures.values()):
+            return True
+        self._stopped_since = self._stopped_since or time.monotonic()
+        beat = self.job.heartbeat
+        settled = all(beat.returned(rank) for rank in range(self.plan.cores))
+        return settled or time.monotonic() - self._stopped_since > SETTLE_SECONDS
+
+    def _diverged(self):
+        """Whether the ranks took different paths to their collectives, and no rank's own
+        error (other than a simulated rank's ``RankEnded``) came first."""
+        if any(not failure.consequence for failure in self.failures.values()):
+            return False
+        if self.divergence is None and (self.failures or self.hang):
+            _, self.divergence = self.calls.check(final=True)
+        return self.divergence is not None
+
     def _succeeded(self):
         return (
             self.hang is None
+            and self.divergence is None
             and not self.failures
             and all(r in self.results for r in range(self.plan.cores))
         )
@@ -191,8 +230,10 @@ class _Supervisor:
     def _outcome(self):
         # Errors are built in the raise: one kept in self or in a local would sit in a
         # cycle with its traceback's frames, holding the processes' pipes until a gc.
+        if self._diverged():
+            raise ledger.divergence_error(self.divergence)
         if self.hang is not None:
-            raise failures.hang_error(self.hang)
+            raise failures.hang_error(self.hang, self.calls.behind(self.hang.running))
         if self.failures:
             raise failures.raised_error(self.failures)
         expected = range(self.plan.cores)

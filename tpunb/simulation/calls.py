@@ -1,39 +1,23 @@
-"""A collective call in words, for both layouts: what it is (its name, its tensors' shapes
-and dtypes, its other arguments), where the program made it, and the errors that name
-calls (``CollectiveMismatch``, ``RankEnded``)."""
+"""The simulation's collective calls in words, for both layouts: where the program made one,
+and the errors that name calls (``CollectiveMismatch``, ``RankEnded``)."""
 
-import os
-import sys
-import traceback
+import time
 
-import torch
+from tpunb import program_lines
+from tpunb.errors import CollectiveMismatch, RankEnded
 
-from tpunb.errors import RankEnded, TpunbError
-
-
-class CollectiveMismatch(TpunbError):
-    """Ranks called different collectives at the same point, so they can never meet."""
+# At a collective that can never complete (the ranks' calls differ, or a rank it needs has
+# ended) a simulated rank raises at once. With this False it waits as a TPU's would, until
+# the launch stops it: for testing what must work where ranks really block (the launch's
+# ledger of collective calls, launcher/ledger.py).
+STOP_UNMATCHED = True
 
 
-def describe(name, args, kwargs):
-    """A collective call in words: its name, its tensors' shapes and dtypes, and its other
-    arguments (reduce type, groups, scale)."""
-    parts = [_value(arg) for arg in args]
-    parts += [f"{key}={_value(value)}" for key, value in sorted(kwargs.items())]
-    return f"{name.lstrip('_').replace('xla_', '', 1)}({', '.join(parts)})"
-
-
-def _value(value):
-    if isinstance(value, torch.Tensor):
-        dtype = str(value.dtype).replace("torch.", "")
-        return f"{dtype}{list(value.shape)}"
-    if isinstance(value, (list, tuple)) and any(isinstance(v, torch.Tensor) for v in value):
-        return "[" + ", ".join(_value(v) for v in value) + "]"
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return repr(value)
-    if isinstance(value, (list, tuple)):
-        return repr(list(value))
-    return type(value).__name__
+def unmatched(error):
+    """``error``, for the rank to raise; with ``STOP_UNMATCHED`` False, never returns."""
+    while not STOP_UNMATCHED:
+        time.sleep(60)
+    return error
 
 
 class Caller:
@@ -45,22 +29,12 @@ class Caller:
         self.frame = frame
 
     def __str__(self):
-        import torch_xla
-
-        libraries = tuple(
-            os.path.dirname(module.__file__) + os.sep
-            for module in (torch, torch_xla, sys.modules["tpunb"])
-        )
-        entry = None
-        for frame, _ in traceback.walk_stack(self.frame):
-            code = frame.f_code
-            if code.co_filename.startswith(libraries) or "/threading.py" in code.co_filename:
-                if code.co_filename.startswith(libraries[1]):  # torch_xla's own function
-                    entry = code.co_name
-                continue
-            where = f"called from {code.co_filename}, line {frame.f_lineno}, in {code.co_name}"
-            return f"(in {entry}), {where}" if entry else where
-        return "called inside torch_xla"
+        frame, entry = program_lines.program_frame(self.frame, program_lines.libraries())
+        if frame is None:
+            return "called inside torch_xla"
+        code = frame.f_code
+        where = f"called from {code.co_filename}, line {frame.f_lineno}, in {code.co_name}"
+        return f"(in {entry}), {where}" if entry else where
 
 
 def mismatch(number, calls):

@@ -58,14 +58,15 @@ import torch_xla.core.xla_model as xm
 import torch_xla.runtime as xr
 
 from tpunb import cores, step_hooks
+from tpunb.collective_calls import describe
 from tpunb.errors import RankEnded
 from tpunb.simulation import random_state, rank_cpu
 from tpunb.simulation.calls import (  # noqa: F401 (CollectiveMismatch: its home for users)
     Caller,
     CollectiveMismatch,
-    describe,
     mismatch,
     never_completes,
+    unmatched,
 )
 
 # The primitives every Python collective (xm.*, torch.distributed's XLA backend,
@@ -232,7 +233,7 @@ def _wait_for_every_rank(meeting, rank):
     how = "returned" if cause is None else f"raised {type(cause).__name__}: {cause}"
     call, caller = meeting.calls[rank]
     number, step = meeting.collectives[rank], meeting.steps[rank]
-    raise never_completes(call, caller, number, step, gone, how, cause) from cause
+    raise unmatched(never_completes(call, caller, number, step, gone, how, cause)) from cause
 
 
 def new_meeting_place():
@@ -256,7 +257,7 @@ def _check_same_call(meeting):
     first = meeting.calls[0][0]
     if any(call != first for call, _ in meeting.calls):
         calls = [(meeting.steps[rank], *meeting.calls[rank]) for rank in range(meeting.ranks)]
-        raise mismatch(meeting.collectives[0], calls)
+        raise unmatched(mismatch(meeting.collectives[0], calls))
 
 
 def _round():

@@ -30,8 +30,9 @@ import torch_xla.core.xla_model as xm
 import torch_xla.runtime as xr
 
 from tpunb import step_hooks
+from tpunb.collective_calls import describe
 from tpunb.errors import RankEnded
-from tpunb.simulation.calls import Caller, describe, mismatch, never_completes
+from tpunb.simulation.calls import Caller, mismatch, never_completes, unmatched
 
 _REDUCE = {
     xm.REDUCE_SUM: torch.add,
@@ -125,15 +126,15 @@ def _share(tensors):
     try:
         calls, data = exchange.share(f"{step}\0{call}", [_bytes(t) for t in host])
     except RankEnded as ended:
-        raise never_completes(
-            call, Caller(frame), number, step, ended.rank, ended.how, ended.cause
+        raise unmatched(
+            never_completes(call, Caller(frame), number, step, ended.rank, ended.how, ended.cause)
         ) from ended.cause
     calls = [tuple(text.split("\0", 1)) for text in calls]
     if any(text != call for _, text in calls):
         # Every rank sees the same calls: each shares where it made its call, then raises.
         wheres, _ = exchange.share(str(Caller(frame)), [])
         ranks = zip(calls, wheres, strict=True)
-        raise mismatch(number, [(step, text, where) for (step, text), where in ranks])
+        raise unmatched(mismatch(number, [(step, text, where) for (step, text), where in ranks]))
     return [_tensors(shared, host) for shared in data]
 
 

@@ -1,0 +1,39 @@
+"""Where in the user's program something happened: the innermost frame outside torch,
+torch_xla and tpunb, named as a learner reads it (a notebook cell as "cell In[3]")."""
+
+import os
+import sys
+
+
+def libraries(own=True):
+    """The folders of torch's and torch_xla's code (and tpunb's, if ``own``): frames there
+    are not the program's."""
+    import torch
+    import torch_xla
+
+    modules = (torch, torch_xla, sys.modules["tpunb"]) if own else (torch, torch_xla)
+    return tuple(os.path.dirname(module.__file__) + os.sep for module in modules)
+
+
+def program_frame(frame, libraries):
+    """(the program's innermost frame, or None; the outermost torch_xla function between
+    it and ``frame``, e.g. "save", or None): frames of ``libraries`` and of threading are
+    skipped."""
+    torch_xla = libraries[1]
+    entry = None
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        if not (filename.startswith(libraries) or filename.endswith("/threading.py")):
+            return frame, entry
+        if filename.startswith(torch_xla):
+            entry = frame.f_code.co_name
+        frame = frame.f_back
+    return None, entry
+
+
+def cell_or_file(filename):
+    """A notebook cell's code as IPython names it in tracebacks ("cell In[3]"), not its
+    temporary file; a script's file as given."""
+    shell = sys.modules.get("IPython") and sys.modules["IPython"].get_ipython()
+    name = getattr(getattr(shell, "compile", None), "format_code_name", lambda _: None)(filename)
+    return f"cell {name[1]}" if name else filename
