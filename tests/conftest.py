@@ -23,8 +23,11 @@ ROOT = pathlib.Path(__file__).parent.parent
 # the lessons on Kaggle's pair (torch_xla 2.8) on 8 simulated cores under nbval, against
 # their committed outputs, as on Kaggle's v5e-8; on Colab's pair (torch_xla 2.9) each on one
 # core, as on Colab's v5e-1 or v6e-1 (test_lessons_on_one_core.py); a test marked
-# ``@pytest.mark.pair("colab")`` or ``("kaggle")`` on that pair only. With another
-# torch_xla, everything runs. (The hook sees the notebooks' items too: it runs for the
+# ``@pytest.mark.pair("colab")`` or ``("kaggle")`` on that pair only; a test run in each
+# simulation layout (``cores8_each_layout``, or a ``layout`` parameter) in both layouts on
+# Kaggle's pair, in the process layout (a laptop's, Colab's host's) on Colab's, where the
+# ``cores8`` tests run the machine's default layout. With another torch_xla, everything
+# runs. (The hook sees the notebooks' items too: it runs for the
 # whole collection.)
 _PAIRS = {"2.9": "colab", "2.8": "kaggle"}
 
@@ -48,6 +51,9 @@ def pytest_collection_modifyitems(config, items):
         elif item.path.name == "test_lessons_on_one_core.py":
             only = "colab"
             why = "the lessons run on one core on Colab's pair, on 8 under nbval here"
+        elif _layout(item) == "threads":
+            only = "kaggle"
+            why = "each layout on Kaggle's pair; here, the process layout and the cores8 tests"
         else:
             marker = item.get_closest_marker("pair")
             if marker is None:
@@ -55,6 +61,12 @@ def pytest_collection_modifyitems(config, items):
             only, why = marker.args[0], marker.kwargs.get("reason", "")
         if only != pair:
             item.add_marker(pytest.mark.skip(reason=f"on {only.capitalize()}'s pair only: {why}"))
+
+
+def _layout(item):
+    """The simulation layout a test is parametrized with, if it is."""
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    return params.get("cores8_each_layout", params.get("layout"))
 
 
 @pytest.fixture(autouse=True)
