@@ -211,6 +211,7 @@ class _FrameCountingClient(NotebookClient):
         super().handle_comm_msg(outs, msg, cell_index)
 
 
+@pytest.mark.pair("colab", reason="the kernel's views are torch_xla's version's alike")
 def test_from_a_real_kernel_text_or_widgets_then_the_final_figure(tmp_path, monkeypatch):
     # The kernel of nbclient (and nbval) has no front end: "auto" is text there.
     monkeypatch.delenv("JPY_SESSION_NAME", raising=False)

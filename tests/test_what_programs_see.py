@@ -111,6 +111,7 @@ def test_a_launch_leaves_torch_xlas_debug_output_to_the_user(tmp_path):
         assert frames[1] == ("train", str(program), "7")
 
 
+@pytest.mark.pair("kaggle", reason="Accelerate is preinstalled in Kaggle's TPU image")
 @pytest.mark.parametrize("how", ["notebook_launcher", "accelerate launch --tpu"])
 def test_accelerate_runs_its_tpu_branch(how):
     script = _script("accelerate_training.py")

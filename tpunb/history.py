@@ -7,6 +7,8 @@ import dataclasses
 import json
 from typing import TYPE_CHECKING, NamedTuple
 
+from tpunb import device_memory
+
 if TYPE_CHECKING:
     import os
     from collections.abc import Iterable
@@ -53,6 +55,9 @@ class Step:
     # execution was still computing it (the host waited for the device). None where reads
     # were not watched.
     reads: list | None = None
+    # The rank's device memory (bytes in use, peak, limit) when the record was sent, where
+    # the device reports it (a TPU; not XLA's CPU client): ``device_memory.Use``.
+    memory: tuple | None = None
 
 
 def _training_steps(steps):
@@ -119,6 +124,7 @@ class History:
         self.steps = {rank: [] for rank in range(ranks)}
         self._names = {}  # logged names in the order first seen, kept as steps arrive
         self._last = {rank: {} for rank in range(ranks)}  # rank -> name -> last value
+        self._memory = {}  # rank -> its device's last measured memory (device_memory.Use)
         self._progress_of = {}  # rank -> (records, _training_steps of them)
         self.verdicts = {}  # step -> what its compilations were, as the compile watch judged
 
@@ -127,6 +133,13 @@ class History:
         for step in steps:
             self._names.update(dict.fromkeys(step.values))
             self._last[rank].update(step.values)
+            if step.memory is not None:
+                self._memory[rank] = device_memory.Use(*step.memory)
+
+    def device_memory(self) -> dict[int, device_memory.Use]:
+        """Each core's last measured device memory, by rank; empty where the device does
+        not report it (simulated cores)."""
+        return dict(self._memory)
 
     def last_value(self, rank: int, name: str) -> float | None:
         """The last value ``rank`` logged under ``name``, however long ago; None if never."""

@@ -18,6 +18,7 @@ class Snapshot:
     eta: float | None  # seconds to the end of the epoch at the slowest rank's pace
     compiles: int
     values: dict  # logged name -> mean over the ranks of their last value
+    memory: tuple | None = None  # the fullest core's device memory (device_memory.Use)
 
     @classmethod
     def of(cls, history, compiles, elapsed):
@@ -40,6 +41,9 @@ class Snapshot:
             _eta(slowest) if slowest else None,
             compiles,
             values,
+            max(
+                history.device_memory().values(), key=lambda use: use.used / use.limit, default=None
+            ),
         )
 
     def parts(self, final=False):
@@ -54,10 +58,17 @@ class Snapshot:
         if self.samples_per_second is not None:
             parts.append(f"{self.samples_per_second:,.0f} samples/s")
         parts.append(f"{self.compiles} compilations")
+        if self.memory is not None:
+            used, _, limit = self.memory
+            parts.append(f"device memory {used / 2**30:.1f}/{limit / 2**30:.1f} GiB")
         if self.eta is not None and not final:
             parts.append(f"epoch ends in {_duration(self.eta)}")
         parts.append(f"{_duration(self.elapsed)} elapsed")
         return parts
+
+
+def _fullness(use):
+    return use.used / use.limit if use.limit else 0
 
 
 def _eta(steps, recent=20):

@@ -5,7 +5,7 @@ happened and what to do."""
 import importlib.util
 import signal
 
-from tpunb import migration
+from tpunb import device_memory, migration
 from tpunb.errors import RankError
 
 # Errors whose message alone does not say what to do.
@@ -65,8 +65,9 @@ def unsendable(result, error):
     )
 
 
-def raised_error(failures):
-    """``failures``: rank -> messages.Raised. Reports the lowest failing rank. A rank that
+def raised_error(failures, memory=None):
+    """``failures``: rank -> messages.Raised; ``memory``: rank -> its device's last
+    measured memory (``device_memory.Use``). Reports the lowest failing rank. A rank that
     another rank's end stopped (simulated cores) did not fail: it is named only when no
     rank failed otherwise. How many of those reach the notebook before the launch is
     stopped is a race, so they would make the report differ from run to run."""
@@ -76,6 +77,9 @@ def raised_error(failures):
     failure = failures[first]
     others = failing[1:]
     message = f"rank {first} {failure.description}"
+    if "RESOURCE_EXHAUSTED" in failure.description:
+        cause = device_memory.out_of_memory(first, (memory or {}).get(first))
+        message += f"\n\nLikely cause: {cause}"
     if others:
         message += f"\n({'rank' if len(others) == 1 else 'ranks'} {span(others)} failed too)"
     if failure.traceback:

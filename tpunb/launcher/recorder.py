@@ -7,6 +7,7 @@ one rank a process, the process's new compilations, compile time and CPU fallbac
 import threading
 import time
 
+from tpunb import device_memory
 from tpunb.errors import TpunbError
 from tpunb.history import Step
 from tpunb.launcher.messages import Steps
@@ -39,6 +40,7 @@ class Recorder:
         self._in_framework = False  # a framework's own steps, outside its training loop
         self._reads = {}  # (cut, what, file, line) -> times read in the current step
         self._ledger = ledger
+        self._memory = device_memory.Reader()
 
     def log(self, values):
         """Records ``values`` (name -> number or one-element tensor) for the current step."""
@@ -141,6 +143,9 @@ class Recorder:
         if not sending:
             return
         _read_back([record.values for record in sending])  # floats from here on
+        use = self._memory.read()
+        if use is not None:
+            sending[-1].memory = tuple(use)
         self.channel.send(Steps.of(self.rank, sending), plain=True)
         self._unsent = self._unsent[len(sending) :]
 

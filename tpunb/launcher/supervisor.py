@@ -15,7 +15,7 @@ import time
 import warnings
 from typing import TYPE_CHECKING
 
-from tpunb import compile_watch, history, live, platform
+from tpunb import compile_watch, device_memory, history, live, platform
 from tpunb.errors import TpunbWarning
 from tpunb.launcher import (
     channel,
@@ -100,6 +100,7 @@ class _Supervisor:
         self.history = history.History(plan.cores)
         self.compile_watch = compile_watch.CompileWatch(plan.cores)
         self.view = live.Guarded(live.view(view, self.history, self.compile_watch))
+        self.memory = device_memory.Watch()
         self.calls = ledger.Watch(job.ledger)  # the ranks' collective calls, compared
         self.divergence = None
         self._stopped_since = None  # when a simulated rank was first stopped by a check
@@ -171,6 +172,7 @@ class _Supervisor:
             steps = message.steps()
             self.history.add(message.rank, steps)
             self._warn(self.compile_watch.add(message.rank, steps))
+            self._warn(self.memory.add(message.rank, steps))
             self.history.judge(self.compile_watch.take_verdicts())
         elif isinstance(message, Returned):
             self.results.update(message.results)
@@ -235,7 +237,7 @@ class _Supervisor:
         if self.hang is not None:
             raise failures.hang_error(self.hang, self.calls.behind(self.hang.running))
         if self.failures:
-            raise failures.raised_error(self.failures)
+            raise failures.raised_error(self.failures, self.history.device_memory())
         expected = range(self.plan.cores)
         missing = [r for r in expected if r not in self.results]
         if missing:

@@ -1,0 +1,75 @@
+"""Each core's device memory in a launch: measured where the device reports it (a TPU),
+said to be unmeasured where it does not (XLA's CPU client), a warning near the limit, and
+an out-of-memory error explained with the core's last use."""
+
+import warnings
+
+import pytest
+
+import tpunb
+from tpunb import device_memory
+from tpunb.history import History, Step
+from tpunb.launcher import failures
+from tpunb.launcher.messages import Raised
+from tpunb.snapshot import Snapshot
+
+GiB = 2**30
+
+
+def _step(number, used=None, limit=16 * GiB):
+    memory = None if used is None else (int(used * GiB), int(used * GiB), limit)
+    return Step(number, float(number), {}, [], 0, memory=memory)
+
+
+def test_a_core_near_its_limit_is_warned_about_once_and_shown_in_the_progress_line():
+    history, watch = History(2), device_memory.Watch()
+    for rank in range(2):
+        steps = [_step(0, 4.0), _step(1), _step(2, 12.0 + rank)]
+        history.add(rank, steps)
+        assert watch.add(rank, steps) == []
+    late = [_step(3, 14.6)]
+    history.add(1, late)
+    [message] = watch.add(1, late)
+    assert message.startswith("Core 1 uses 14.6 of 16.0 GiB (91%), peak 14.6 GiB of its device")
+    assert "at step 4" in message and "RESOURCE_EXHAUSTED" in message
+    assert watch.add(0, [_step(4, 15.0)]) == []  # once a launch
+    assert history.device_memory()[1].used == int(14.6 * GiB)
+    parts = Snapshot.of(history, compiles=0, elapsed=1.0).parts()
+    assert "device memory 14.6/16.0 GiB" in parts
+
+
+def test_without_a_measurement_nothing_is_shown():
+    history = History(1)
+    history.add(0, [_step(0), _step(1)])
+    assert history.device_memory() == {}
+    assert not any("memory" in part for part in Snapshot.of(history, 0, 1.0).parts())
+
+
+def test_an_out_of_memory_error_is_explained_with_the_cores_last_use():
+    raised = Raised(2, "raised RuntimeError: RESOURCE_EXHAUSTED: Out of memory allocating", "tb")
+    last = device_memory.Use(int(15.5 * GiB), int(15.9 * GiB), 16 * GiB)
+    message = str(failures.raised_error({2: raised}, {2: last}))
+    assert "Likely cause: Core 2 ran out of device memory (HBM). Its last measured use: " in message
+    assert "15.5 of 16.0 GiB (97%), peak 15.9 GiB" in message
+    assert "smaller batch a core, bf16" in message
+    unmeasured = str(failures.raised_error({2: raised}, {}))
+    assert "Its use was not measured" in unmeasured
+
+
+def _measured(rank):
+    return device_memory.Reader().read(), device_memory.Reader().read()
+
+
+def test_simulated_cores_say_their_memory_is_not_measured(cores8):
+    # XLA's CPU client does not report device memory (GetAllocatorStats is UNIMPLEMENTED):
+    # each rank reads None, quietly, and its steps carry no measurement.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tpunb.TpunbWarning)
+        results = tpunb.launch(_measured, live=False)
+    assert list(results) == [(None, None)] * 8
+    assert results.history.device_memory() == {}
+
+
+@pytest.mark.parametrize("fullness", [0.5, 0.89])
+def test_below_the_limit_nothing_is_said(fullness):
+    assert device_memory.Watch().add(0, [_step(0, 16 * fullness)]) == []
