@@ -43,8 +43,8 @@ def _value(value, shown=None):
     if isinstance(value, (list, tuple)) and any(isinstance(v, torch.Tensor) for v in value):
         values = list(value)
         if shown is not None and len(values) > shown:
-            more = f"... {len(values)} tensors"
-            return "[" + ", ".join([*(_value(v) for v in values[:shown]), more]) + "]"
+            first = ", ".join(_value(v) for v in values[:shown])
+            return f"{len(values)} tensors: [{first}, ...]"
         return "[" + ", ".join(_value(v) for v in values) + "]"
     if value is None or isinstance(value, (bool, int, float, str)):
         return repr(value)

@@ -9,9 +9,10 @@ somewhere else). For the duration of a launch, torch_xla's collectives (``xm.all
 ``collective_broadcast``, and what calls them: ``xm.optimizer_step``, ``xm.save``,
 ``xm.rendezvous``, ``xm.mesh_reduce``, torch.distributed's XLA backend) are wrapped: each
 outermost call is written, before it runs, to memory shared with the notebook (its words,
-a key that tells calls apart, the program's file and line, the rank's step). Point-to-point
-``xm.send``/``xm.recv`` are not recorded: two ranks make different calls there by design.
-Calls inside a ``torch.compile``d function are not either: dynamo traces them, once.
+a key that tells calls apart, the program's file and line, the rank's batch or step).
+Point-to-point ``xm.send``/``xm.recv`` are not recorded: two ranks make different calls
+there by design. Calls inside a ``torch.compile``d function are not either: dynamo traces
+them, once.
 
 In the notebook, ``Watch.check`` compares the ranks' calls position by position: other
 calls at the same position (kind, shapes, dtypes, groups) are a divergence, and so is a
@@ -41,9 +42,9 @@ RECORDED = (
     "collective_broadcast",
 )
 RING = 256  # the calls kept for each rank: the notebook reads them 10 times a second
-_ENTRY = 512  # bytes a call: key, where's key, step, text length, text
+_ENTRY = 512  # bytes a call: key, where's key, text length, text
 _HEADER = struct.Struct("<qq")  # calls made, returned (1) or not (0)
-_CALL = struct.Struct("<qqqq")
+_CALL = struct.Struct("<qqq")
 _TEXT = _ENTRY - _CALL.size
 # How long a rank that made a call the returned ranks will never make may still be
 # running before that is a divergence (lazy collectives run at the rank's next sync).
@@ -54,9 +55,9 @@ _inside = threading.local()  # depth of recorded collectives in this thread
 class Call(typing.NamedTuple):
     key: int
     where_key: int
-    step: int  # the rank's step, from 0
     call: str  # in words: all_reduce('sum', float32[10])
     where: str  # cell In[3], line 5 (through torch_xla's save)
+    when: str  # batch 3 (of the training loader's epoch), or step 3 (the rank's syncs)
 
 
 class Ledger:
@@ -69,8 +70,8 @@ class Ledger:
         self._memory = mmap.mmap(-1, self._size * ranks)
         self._libraries = None
 
-    def record(self, rank, step, name, args, kwargs, frame):
-        """In a rank, before its collective runs."""
+    def record(self, rank, when, name, args, kwargs, frame):
+        """In a rank, before its collective runs; ``when``: "batch 3" or "step 3"."""
         if self._libraries is None:
             self._libraries = program_lines.libraries()
         program, entry = program_lines.program_frame(frame, self._libraries)
@@ -82,13 +83,15 @@ class Ledger:
             where += f", line {line}"
         if entry and entry != name:
             where += f" (through torch_xla's {entry})"
-        words = collective_calls.describe(name, args, kwargs, shown=3)
-        text = f"{words}\0{where}".encode()[:_TEXT]
+        # In words, the arguments a program chose: not the layout pinning, nor Nones.
+        chosen = {k: v for k, v in kwargs.items() if v is not None and k != "pin_layout"}
+        words = collective_calls.describe(name, args, chosen, shown=3)
+        text = f"{words}\0{where}\0{when}".encode()[:_TEXT]
         key = collective_calls.key(name, args, kwargs)
         base = self._size * rank
         made, returned = _HEADER.unpack_from(self._memory, base)
         offset = base + _HEADER.size + (made % RING) * _ENTRY
-        _CALL.pack_into(self._memory, offset, key, hash(where), step, len(text))
+        _CALL.pack_into(self._memory, offset, key, hash(where), len(text))
         self._memory[offset + _CALL.size : offset + _CALL.size + len(text)] = text
         _HEADER.pack_into(self._memory, base, made + 1, returned)  # the call, then its count
 
@@ -109,12 +112,12 @@ class Ledger:
         if not made - RING < position < made:
             return None
         offset = self._size * rank + _HEADER.size + (position % RING) * _ENTRY
-        key, where_key, step, size = _CALL.unpack_from(self._memory, offset)
+        key, where_key, size = _CALL.unpack_from(self._memory, offset)
         text = bytes(self._memory[offset + _CALL.size : offset + _CALL.size + size])
         if self.made(rank)[0] - RING >= position:  # overwritten while read
             return None
-        words, _, where = text.decode(errors="replace").partition("\0")
-        return Call(key, where_key, step, words, where)
+        words, where, when = (text.decode(errors="replace").split("\0") + ["", ""])[:3]
+        return Call(key, where_key, words, where, when)
 
     def close(self):
         self._memory.close()
@@ -187,7 +190,7 @@ class Watch:
         for count in sorted(set(made.values()), reverse=True):
             ranks = [rank for rank in running if made[rank] == count]
             call = self.ledger.call(ranks[0], count - 1) if count else None
-            last = f"{call.call} at {call.where}, in step {call.step + 1}" if call else "none"
+            last = f"{call.call} at {call.where}, in {call.when}" if call else "none"
             lines.append(f"  {_ranks(ranks)}: {_calls(count)}, the last {last}")
         return "\n".join(lines)
 
@@ -214,11 +217,7 @@ def lines(divergence):
     """Each group's call at the divergence's position, a line each."""
     return "\n".join(
         f"  {_ranks(ranks)}: "
-        + (
-            f"{call.call} at {call.where}, in step {call.step + 1}"
-            if isinstance(call, Call)
-            else call
-        )
+        + (f"{call.call} at {call.where}, in {call.when}" if isinstance(call, Call) else call)
         for ranks, call in divergence.groups
     )
 

@@ -57,7 +57,12 @@ class Recorder:
     def collective(self, name, args, kwargs, frame):
         """A collective call about to run (``ledger.recorded``), made from ``frame``."""
         if self._ledger is not None:
-            self._ledger.record(self.rank, self.step, name, args, kwargs, frame)
+            if self._epoch_batch is None:  # no training loader's batch yet: the syncs
+                when = f"step {self.step + 1}"
+            else:
+                when = f"batch {self._epoch_batch}"
+                when += f" of epoch {self._epoch + 1}" if self._epoch else ""
+            self._ledger.record(self.rank, when, name, args, kwargs, frame)
 
     def framework_steps(self, on):
         """From now on, steps are a framework's own (``on``: Lightning's setup, validation,

@@ -250,6 +250,7 @@ class _Supervisor:
                 launcher_error=self.ended.error if self.ended else None,
             )
         self._warn(self.compile_watch.finish())
+        self._warn(self.calls.check(final=True)[0])  # calls made since the last check
         self.history.judge(self.compile_watch.take_verdicts())
         return LaunchResults(
             [pickle.loads(self.results[r]) for r in expected],
