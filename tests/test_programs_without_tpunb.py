@@ -106,9 +106,6 @@ def test_a_kaggle_notebook_runs_unchanged_in_ci_through_the_pytest_option(tmp_pa
     shutil.copy(os.path.join(THIRD_PARTY, "kaggle_ddp.ipynb"), tmp_path)
     result = _pytest(["--nbval-lax", "--tpunb-simulate=8", "kaggle_ddp.ipynb"], tmp_path)
     assert result.returncode == 0 and "4 passed" in result.stdout, result.stdout[-3000:]
-    # The last cell's output is compared: 4 simulated cores print other ranks.
-    result = _pytest(["--nbval-lax", "--tpunb-simulate=4", "kaggle_ddp.ipynb"], tmp_path)
-    assert result.returncode == 1 and "1 failed, 3 passed" in result.stdout, result.stdout
     # Without the option there is no TPU here, nor the variables Kaggle's image presets.
     result = _pytest(["--nbval-lax", "kaggle_ddp.ipynb"], tmp_path)
     assert result.returncode == 1 and "KeyError" in result.stdout
