@@ -6,10 +6,10 @@ Ranks that make different collective calls can never meet: on a TPU they wait fo
 other forever (or a rank's call meets another's later one, and the wait comes later,
 somewhere else). For the duration of a launch, torch_xla's collectives (``xm.all_reduce``,
 ``all_gather``, ``reduce_scatter``, ``all_to_all``, ``collective_permute``,
-``collective_broadcast``, and what calls them: ``xm.optimizer_step``, ``xm.save``,
-``xm.rendezvous``, ``xm.mesh_reduce``, torch.distributed's XLA backend) are wrapped: each
-outermost call is written, before it runs, to memory shared with the notebook (its words,
-a key that tells calls apart, the program's file and line, the rank's batch or step).
+``collective_broadcast``, and what calls them: ``xm.optimizer_step``, ``xm.rendezvous``,
+``xm.mesh_reduce``, torch.distributed's XLA backend) are wrapped: each outermost call is
+written, before it runs, to memory shared with the notebook (its words, a key that tells
+calls apart, the program's file and line, the rank's batch or step).
 Point-to-point ``xm.send``/``xm.recv`` are not recorded: two ranks make different calls
 there by design. Calls inside a ``torch.compile``d function are not either: dynamo traces
 them, once.
@@ -283,10 +283,10 @@ def divergence_error(divergence):
         )
     message += (
         "\nEvery rank must make the same collective calls in the same order. A collective "
-        "under `if rank == 0` (or xm.save, xm.rendezvous, xm.mesh_reduce there) runs on "
-        "that rank only: make it on every rank (xm.save writes from the master alone "
-        "already). A rank with more batches or a last batch of another size: "
-        "drop_last=True on the DataLoader, or the same number of batches on every rank."
+        "under `if rank == 0` (xm.all_reduce, xm.rendezvous, xm.mesh_reduce there) runs on "
+        "that rank only: make it on every rank, and keep only the print under the `if`. "
+        "A rank with more batches or a last batch of another size: a DistributedSampler "
+        "(tpunb.shard) and drop_last=True on the DataLoader."
     )
     odd = [ranks for ranks, _ in divergence.groups]
     odd = [rank for ranks in odd if len(ranks) < max(map(len, odd)) for rank in ranks]
