@@ -58,15 +58,14 @@ class Watch:
     ``NEAR_LIMIT`` of its memory."""
 
     def __init__(self) -> None:
-        self.last: dict[int, Use] = {}  # rank -> its last measured use
-        self._warned = False
+        self._warned = False  # each core's last use is the history's (device_memory())
 
     def add(self, rank: int, steps: typing.Iterable[typing.Any]) -> list[str]:
         messages = []
         for step in steps:
             if step.memory is None:
                 continue
-            use = self.last[rank] = Use(*step.memory)
+            use = Use(*step.memory)
             if not self._warned and use.limit and max(use.used, use.peak) >= NEAR_LIMIT * use.limit:
                 self._warned = True
                 messages.append(
