@@ -61,6 +61,15 @@ def _xm_collectives(rank):
     broadcast = on_device([r, r])
     xm.collective_broadcast([broadcast], root_ordinal=5)
     results["broadcast"] = broadcast
+    # torch's functional collectives, what dynamo traces collectives into (their XLA kernels
+    # are torch_xla's): rank r gives [r + 1] and [r, 10 r].
+    functional = torch.ops._c10d_functional
+    results["functional_max"] = functional.all_reduce(on_device([r + 1]), "max", "")
+    results["functional_gather"] = functional.all_gather_into_tensor(
+        on_device([r, 10 * r]), CORES, ""
+    )
+    results["functional_scatter"] = functional.reduce_scatter_tensor(spread, "sum", CORES, "")
+    results["functional_to_all"] = functional.all_to_all_single(row, [1] * CORES, [1] * CORES, "")
     torch_xla.sync()
     values = {
         key: [t.tolist() for t in value] if isinstance(value, list) else value.tolist()
@@ -94,6 +103,10 @@ def test_every_xm_collective_gives_what_the_math_says(cores8_each_layout):
         assert got["to_all"] == [10.0 * i + rank for i in ranks]
         assert got["permute"] == [float((rank - 1) % CORES)]
         assert got["broadcast"] == [5.0, 5.0]
+        assert got["functional_max"] == [8.0]
+        assert got["functional_gather"] == [v for i in ranks for v in (i, 10 * i)]
+        assert got["functional_scatter"] == total[2 * rank : 2 * rank + 2]
+        assert got["functional_to_all"] == [10.0 * i + rank for i in ranks]
         assert got["payloads"] == [f"from {i}".encode() for i in ranks]
         assert got["mean"] == 3.5
 

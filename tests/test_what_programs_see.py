@@ -125,3 +125,11 @@ def test_accelerate_runs_its_tpu_branch(how):
     assert said.count("DistributedType.XLA on 8 processes, same weights: True") == 1, said
     ranks = sorted(re.findall(r"process \d+, local \d+, main (?:True|False)", said))
     assert ranks == [f"process {r}, local {r}, main {r == 0}" for r in range(8)], said
+
+
+def test_collectives_compiled_with_fullgraph_give_every_call_its_result():
+    # dynamo refused the simulation's collective ("Skip calling torch.compiler.disable()d
+    # function"); on a v5e-8 process the collective compiles into the graph.
+    result = _simulated(["--layout", "processes", _script("compiled_collectives.py")], cores=4)
+    lines = sorted(re.findall(r"rank \d+: \d of 6 compiled results right", result.stdout))
+    assert lines == [f"rank {rank}: 6 of 6 compiled results right" for rank in range(4)]

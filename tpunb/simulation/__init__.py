@@ -96,7 +96,7 @@ def simulate(
     os.environ.setdefault("CLOUD_TPU_TASK_ID", "0")
 
     from tpunb.launcher import shared_process
-    from tpunb.simulation import lightning, spawned
+    from tpunb.simulation import functional_collectives, lightning, spawned
 
     tpu_answers.install(count)
     if layout == "processes":
@@ -105,6 +105,7 @@ def simulate(
         rank_processes.install()
     else:
         _install_threads()
+    functional_collectives.install()
     spawned.install(count, instead_of_tpu, layout)
     shared_process.install()  # also for plain xmp.spawn and Lightning's launcher
     lightning.install()

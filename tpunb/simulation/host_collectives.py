@@ -101,8 +101,12 @@ def _on_the_host(name, implementation, args, kwargs):
 
 
 def _all_reduce_one_tensor_too(reduce_type, inputs, *args, **kwargs):
-    """xm.all_reduce: one tensor goes to ``_xla_all_reduce`` (upstream it may go to
-    ``torch.ops._c10d_functional.all_reduce``, which XLA computes in the graph)."""
+    """xm.all_reduce: one tensor goes to ``_xla_all_reduce``, described in xm.all_reduce's
+    words. Under torch.compile, dynamo traces xm.all_reduce itself: its
+    ``torch.ops._c10d_functional.all_reduce`` runs between the compiled graphs
+    (functional_collectives.py)."""
+    if torch.compiler.is_compiling():
+        return _original["all_reduce"](reduce_type, inputs, *args, **kwargs)
     if _rank["exchange"] is None or not isinstance(inputs, torch.Tensor):
         return _original["all_reduce"](reduce_type, inputs, *args, **kwargs)
     given = _signature["all_reduce"].bind(reduce_type, inputs, *args, **kwargs)
