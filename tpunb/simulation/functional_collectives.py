@@ -79,12 +79,22 @@ def _leaving_collectives_out(run_node):
         finally:
             _extraction.collecting -= 1
         unsupported = getattr(self, "_unsupported_nodes", None)
-        if getattr(_extraction, "placeholders", 0) != made and unsupported is not None:
-            if node not in unsupported:
-                unsupported.append(node)
+        between = getattr(_extraction, "placeholders", 0) != made or _waits(node)
+        if between and unsupported is not None and node not in unsupported:
+            unsupported.append(node)
         return result
 
     return run_node_leaving_collectives_out
+
+
+def _waits(node):
+    """``wait_tensor``, which ``torch.distributed``'s collectives add under torch.compile:
+    compiled into the graph after a collective that ran between graphs, the graph read the
+    collective's input instead of its result (``dist.all_reduce(t)`` gave each rank its own
+    ``t``). Run between the graphs, next to the collective, it hands on the result."""
+    return (
+        node.op == "call_function" and node.target is torch.ops._c10d_functional.wait_tensor.default
+    )
 
 
 def _collective(placeholder_shape):
