@@ -99,3 +99,22 @@ def test_a_compiled_models_steps_are_the_notebooks_syncs_and_raise_no_warning(co
     assert [len(results.history.steps[rank]) for rank in range(CORES)] == [6] * CORES
     assert results.compiles.causes == []
     assert results.compiles.steps == 6
+
+
+def _collective_compiled_with_symbolic_shapes(rank):
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+
+    def total(x):
+        return xm.all_reduce(xm.REDUCE_SUM, x * 2)
+
+    compiled = torch.compile(total, backend="openxla", dynamic=True)
+    return compiled(torch.ones(3, device=torch_xla.device())).tolist()
+
+
+def test_a_collective_compiled_with_symbolic_shapes_says_how_to_compile_it(cores8_processes):
+    # The graph is extracted whole, with nothing to run between its parts: compiled into it,
+    # one call's collective result would be every call's.
+    with pytest.raises(tpunb.RankError) as raised:
+        tpunb.launch(_collective_compiled_with_symbolic_shapes)
+    assert "Compile with dynamic=False" in str(raised.value)
