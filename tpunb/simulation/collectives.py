@@ -179,25 +179,35 @@ def _compiles():
 
 
 def _own_graph(collective):
-    # torch.compile runs the call as it is, between the graphs it compiles before and after:
-    # dynamo must not trace it into a graph of its own (torch._dynamo.disable).
-    @torch._dynamo.disable
+    """``collective`` as a graph of its own that the ranks run together (points 1 and 2).
+    Where the process layout is simulated, after this layout was installed in the same
+    process, the call is passed on as it is, for dynamo to trace as on a TPU process."""
+
     @functools.wraps(collective)
     def call(*args, **kwargs):
-        if getattr(_calls, "under_way", False) or cores.process_a_core():
+        if cores.process_a_core():
             return collective(*args, **kwargs)
-        random_state.done_drawing()
-        _run_pending_work()
-        _calls.under_way = True
-        try:
-            result = collective(*args, **kwargs)
-        finally:
-            _calls.under_way = False
-        _run_together(describe(collective.__name__, args, kwargs))
-        return result
+        return _between_graphs(collective, args, kwargs)
 
     call.own_graph = True
     return call
+
+
+# torch.compile runs the call as it is, between the graphs it compiles before and after:
+# dynamo must not trace it into a graph of its own (torch._dynamo.disable).
+@torch._dynamo.disable
+def _between_graphs(collective, args, kwargs):
+    if getattr(_calls, "under_way", False):
+        return collective(*args, **kwargs)
+    random_state.done_drawing()
+    _run_pending_work()
+    _calls.under_way = True
+    try:
+        result = collective(*args, **kwargs)
+    finally:
+        _calls.under_way = False
+    _run_together(describe(collective.__name__, args, kwargs))
+    return result
 
 
 def _run_pending_work():
