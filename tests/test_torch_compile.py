@@ -112,6 +112,7 @@ def _collective_compiled_with_symbolic_shapes(rank):
     return compiled(torch.ones(3, device=torch_xla.device())).tolist()
 
 
+@pytest.mark.pair("colab", reason="the same mechanism as Kaggle's fullgraph test: checked once")
 def test_a_collective_compiled_with_symbolic_shapes_says_how_to_compile_it(cores8_processes):
     # The graph is extracted whole, with nothing to run between its parts: compiled into it,
     # one call's collective result would be every call's.
