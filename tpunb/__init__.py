@@ -19,7 +19,7 @@ from tpunb.batches import (
     scale_learning_rate,
 )
 from tpunb.buckets import BucketCollate, choose_buckets
-from tpunb.compile_watch import CompileSummary
+from tpunb.compile_summary import CompileSummary
 from tpunb.environment import Environment, env
 from tpunb.errors import RankError, TpunbError, TpunbWarning
 from tpunb.graph_limit import limit_graphs

@@ -276,9 +276,9 @@ class History:
 
     def plot(self, **figure_options: Any) -> Figure:
         """A matplotlib figure of the run: logged values per core, samples/s, compilations."""
-        from tpunb import plots
+        from tpunb import history_figure, plots
 
-        return plots.shown_in_notebooks(plots.history_figure(self, **figure_options))
+        return plots.shown_in_notebooks(history_figure.history_figure(self, **figure_options))
 
     def __repr__(self):
         counts = {len(steps) for steps in self.steps.values()}

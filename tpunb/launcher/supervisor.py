@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from collections.abc import Iterable
     from typing import Any
 
-    from tpunb.compile_watch import CompileSummary
+    from tpunb.compile_summary import CompileSummary
     from tpunb.history import History
 
 HANG_CHECK_SECONDS = 0.1
