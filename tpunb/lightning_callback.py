@@ -43,8 +43,8 @@ class LiveCallback(pl.Callback):
         self._in_step = None  # in a training_step: name -> value given to self.log
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        steps = recorder.current()
-        if steps is None:
+        recording = recorder.current()
+        if recording is None:
             raise TpunbError(
                 "tpunb.lightning.LiveCallback runs in a trainer built by "
                 "tpunb.lightning.trainer(...), whose launcher sends the steps to the "
@@ -53,7 +53,7 @@ class LiveCallback(pl.Callback):
             )
         # Lightning syncs several times (barriers, broadcasts) before the first batch and
         # after the last: the compile watch counts those steps in the warm-up.
-        steps.framework_steps(True)
+        recording.framework_steps(True)
         # The values the training step logs, as given: Lightning's trainer.callback_metrics
         # would turn those logged with prog_bar=True into Python numbers (.item()), a sync
         # in every step. Only in this rank's copy of the module, for the run.
@@ -70,9 +70,9 @@ class LiveCallback(pl.Callback):
         # Lightning's sanity check reads the validation loader first: name the training one.
         loader = trainer.train_dataloader
         host = getattr(loader, "_loader", loader)  # the DataLoader in the MpDeviceLoader
-        steps = recorder.current()
-        steps.training_data(getattr(host, "dataset", host))
-        steps.framework_steps(False)
+        recording = recorder.current()
+        recording.training_data(getattr(host, "dataset", host))
+        recording.framework_steps(False)
 
     # Lightning's own steps between the batches (validation, the end of an epoch) and
     # after the last: the compile watch expects them to compile once and does not judge them.

@@ -24,30 +24,30 @@ _DYNAMO_BRIDGE = "torch_xla._dynamo.dynamo_bridge"
 
 
 def _before_sync(caller):
-    steps = recorder.current()
-    if steps is not None and caller != _DYNAMO_BRIDGE:
-        steps.before_sync()  # the steps before this one, computed by now: sent
+    recording = recorder.current()
+    if recording is not None and caller != _DYNAMO_BRIDGE:
+        recording.before_sync()  # the steps before this one, computed by now: sent
 
 
 def _after_sync(caller):
     if caller == _DYNAMO_BRIDGE:
         return
     heartbeat.tick()
-    steps = recorder.current()
-    if steps is not None:
-        steps.end_step()
+    recording = recorder.current()
+    if recording is not None:
+        recording.end_step()
 
 
 def _on_read(kind, what, file, line):
-    steps = recorder.current()
-    if steps is not None:
-        steps.read(kind, what, file, line)
+    recording = recorder.current()
+    if recording is not None:
+        recording.read(kind, what, file, line)
 
 
 def _on_collective(name, args, kwargs, frame):
-    steps = recorder.current()
-    if steps is not None:
-        steps.collective(name, args, kwargs, frame)
+    recording = recorder.current()
+    if recording is not None:
+        recording.collective(name, args, kwargs, frame)
 
 
 @contextlib.contextmanager
@@ -61,9 +61,9 @@ def installed():
 
     def next_recorded(self):
         batch = next_batch(self)
-        steps = recorder.current()
-        if steps is not None:
-            steps.batch(batch, self)
+        recording = recorder.current()
+        if recording is not None:
+            recording.batch(batch, self)
         return batch
 
     def add_excused_step_closure(closure, *args, **kwargs):

@@ -4,6 +4,7 @@ that read values after a sync (step closures, rendezvous) add to them: excused, 
 steps' doing."""
 
 import collections
+import dataclasses
 import functools
 import os
 import threading
@@ -14,10 +15,24 @@ _thread = threading.local()  # ``excused``: depth of excused helpers running in 
 # graph (op -> times) and, under _COMPILES, their own graphs; not blamed on the steps.
 _excused = collections.Counter()
 _excused_lock = threading.Lock()
-# The process's threads now in such a helper (their counts are not final yet), and the
-# counts when the first of them entered.
-_excusing = [0, {}]
+
+
+@dataclasses.dataclass
+class _Excusing:
+    """The process's threads now in such a helper (their counts are not final yet), and
+    the counts when the first of them entered."""
+
+    threads: int = 0
+    counts_before: dict = dataclasses.field(default_factory=dict)
+
+
+_excusing = _Excusing()
 _COMPILES = "UncachedCompile"
+
+# The process's counts at a read, or their differences since the last: compilations
+# (UncachedCompile), cache hits, compile seconds, CPU fallbacks (op -> times, the
+# excused left out) and the excused helpers' own compilations.
+_Counts = collections.namedtuple("_Counts", "compiles cached seconds fallbacks helper")
 
 
 def excusing(function):
@@ -29,17 +44,17 @@ def excusing(function):
     def excused(*args, **kwargs):
         _thread.excused = getattr(_thread, "excused", 0) + 1
         with _excused_lock:
-            if not _excusing[0]:  # threads' calls overlap: count their span once
-                _excusing[1] = _fallback_counts()
-            _excusing[0] += 1
+            if not _excusing.threads:  # threads' calls overlap: count their span once
+                _excusing.counts_before = _fallback_counts()
+            _excusing.threads += 1
         try:
             return function(*args, **kwargs)
         finally:
             _thread.excused -= 1
             with _excused_lock:
-                _excusing[0] -= 1
-                if not _excusing[0]:
-                    before = _excusing[1]
+                _excusing.threads -= 1
+                if not _excusing.threads:
+                    before = _excusing.counts_before
                     after = _fallback_counts()
                     _excused.update({op: n - before.get(op, 0) for op, n in after.items()})
 
@@ -82,8 +97,9 @@ class ProcessCounters:
     def fill(self, record):
         """Sets ``record``'s counters to what happened since the last call."""
         counts = self.since_last()
-        record.compiles, record.cached, record.compile_seconds, record.fallbacks = counts[:4]
-        record.helper_compiles = counts[4]
+        record.compiles, record.cached = counts.compiles, counts.cached
+        record.compile_seconds, record.fallbacks = counts.seconds, counts.fallbacks
+        record.helper_compiles = counts.helper
         (steps, done, closing), before = self._ranks(), self._last_ranks
         # Counts read late (while a helper ran) were made while the ranks were at any of
         # the reads since the last one that counted: the step that gets them spans those
@@ -103,12 +119,12 @@ class ProcessCounters:
         mine = [r for r in range(beat.ranks) if beat.pid(r) == self._pid]
         while not all(beat.returned(r) for r in mine):
             time.sleep(0.01)
-        compiles, cached, seconds, fallbacks, helper = self.since_last(every_time=True)
-        record.compiles += compiles
-        record.helper_compiles += helper
-        record.cached += cached
-        record.compile_seconds += seconds
-        for name, count in fallbacks.items():
+        counts = self.since_last(every_time=True)
+        record.compiles += counts.compiles
+        record.helper_compiles += counts.helper
+        record.cached += counts.cached
+        record.compile_seconds += counts.seconds
+        for name, count in counts.fallbacks.items():
             record.fallbacks[name] = record.fallbacks.get(name, 0) + count
 
     def _ranks(self):
@@ -124,11 +140,12 @@ class ProcessCounters:
     def _read(self, every_time=False):
         met = self._met
         with _excused_lock:
-            self._deferred = bool(_excusing[0]) and self._last is not None
+            self._deferred = bool(_excusing.threads) and self._last is not None
             if self._deferred:
                 # A thread is in a helper whose counts are excused: they are told from the
                 # others once it returns, so this step's go to a later one.
-                compiles, _, _, fallbacks, helper_compiles = self._last
+                compiles, fallbacks = self._last.compiles, self._last.fallbacks
+                helper_compiles = self._last.helper
             else:
                 compiles = met.counter_value(_COMPILES) or 0
                 fallbacks = {
@@ -136,7 +153,7 @@ class ProcessCounters:
                     for name in met.executed_fallback_ops()
                 }
                 helper_compiles = _excused[_COMPILES]
-        return (
+        return _Counts(
             compiles,
             met.counter_value("CachedCompile") or 0,
             self._compile_seconds(None if self._deferred else compiles, every_time),
@@ -166,16 +183,20 @@ class ProcessCounters:
     def since_last(self, every_time=False):
         """The counts since the last call (``every_time``: CompileTime read whatever the
         count says, for the last step)."""
-        now = self._read(every_time)
-        (compiles, cached, seconds, fallbacks, helper), before = now, self._last
+        now, before = self._read(every_time), self._last
         self._last = now
         new_fallbacks = {
-            name: count - before[3].get(name, 0)
-            for name, count in fallbacks.items()
-            if count != before[3].get(name, 0)
+            name: count - before.fallbacks.get(name, 0)
+            for name, count in now.fallbacks.items()
+            if count != before.fallbacks.get(name, 0)
         }
-        since = compiles - before[0], cached - before[1], seconds - before[2]
-        return (*since, new_fallbacks, helper - before[4])
+        return _Counts(
+            now.compiles - before.compiles,
+            now.cached - before.cached,
+            now.seconds - before.seconds,
+            new_fallbacks,
+            now.helper - before.helper,
+        )
 
 
 def excused_here():
