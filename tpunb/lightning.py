@@ -24,7 +24,7 @@ import logging
 import multiprocessing
 from typing import TYPE_CHECKING
 
-from tpunb import migration
+from tpunb import migration, upstream
 from tpunb.errors import TpunbError
 from tpunb.launcher import base, one_core, preflight, rank, supervisor
 from tpunb.simulation.lightning import trained_weights_back
@@ -73,6 +73,7 @@ def trainer(
     outdated = migration.trainer_argument_error(trainer_arguments)
     if outdated:
         raise TpunbError(outdated)
+    upstream.check(upstream.LIGHTNING, "tpunb.lightning")
     plan, mode = preflight.checked(hang_timeout=hang_timeout, view=live)
     trainer_arguments.setdefault("accelerator", "tpu")
     trainer_arguments.setdefault("devices", "auto")

@@ -8,7 +8,7 @@ import os
 import sys
 import warnings
 
-from tpunb import cores, live, platform, versions
+from tpunb import cores, live, platform, upstream, versions
 from tpunb.errors import TpunbError, TpunbWarning
 
 
@@ -44,6 +44,7 @@ def plan(requested=None):
     a core count other than all or 1."""
     if not versions.has_torch_xla():
         raise TpunbError(versions.INSTALL_TORCH_XLA)
+    upstream.check(upstream.LAUNCH, "tpunb's launch")
     check_runtime_not_started()
     layout = cores.available()
     if layout is None:

@@ -21,7 +21,7 @@ import os
 from typing import TYPE_CHECKING
 
 from tpunb import cores as core_layout
-from tpunb import hardware, platform, versions
+from tpunb import hardware, platform, upstream, versions
 from tpunb.environment import env
 from tpunb.errors import TpunbError, check_count
 from tpunb.simulation import tpu_answers
@@ -76,6 +76,7 @@ def simulate(
             "instead_of_tpu=True)."
         )
     _check_torch_xla_version()
+    upstream.check(upstream.SIMULATION, "tpunb.simulate")
     if platform.runtime_started():
         raise TpunbError(
             "The XLA runtime is already running in this process, so the number of simulated "
