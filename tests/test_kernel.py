@@ -22,6 +22,11 @@ CELLS = [
     ),
     "print(tpunb.launch(lambda rank: rank * rank))",
     "tpunb.launch(train, 1, start_method='spawn')",
+    (
+        "import torch\n"
+        "loader = torch.utils.data.DataLoader(range(8), num_workers=2)\n"
+        "tpunb.launch(lambda rank, loader: rank, loader);"
+    ),
 ]
 
 
@@ -54,3 +59,7 @@ def test_launch_from_a_jupyter_kernel(tmp_path):
     (refusal,) = [o for o in cells[5].outputs if o.output_type == "error"]
     assert refusal.ename == "TpunbError"
     assert "spawned processes cannot find the functions defined in it" in refusal.evalue
+    # A warning names the cell and line, as a traceback does, not IPython's temporary file.
+    warned = _output_text(cells[6])
+    assert "cell In[7]:3: TpunbWarning: A DataLoader with num_workers=2" in warned
+    assert "ipykernel" not in warned

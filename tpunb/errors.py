@@ -1,10 +1,14 @@
 """The errors tpunb raises: one class for the package, one for failures inside a rank, two
-for simulated ranks whose collectives can never complete, and one warning class; plus the
-one check of a count that every call uses."""
+for simulated ranks whose collectives can never complete, and one warning class with the
+one way tpunb warns; plus the one check of a count that every call uses."""
 
 from __future__ import annotations
 
+import sys
+import warnings
 from typing import TYPE_CHECKING
+
+from tpunb import program_lines
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -58,6 +62,26 @@ class CollectiveMismatch(TpunbError):
 
 class TpunbWarning(UserWarning):
     """Something will work, but slowly or riskily; the message says what to change."""
+
+
+def warn(message: str) -> None:
+    """Warns ``message`` as a ``TpunbWarning`` at the program's line that called tpunb,
+    named as the notebook names it: "cell In[6]:2: TpunbWarning: ...", where Python would
+    name the temporary file IPython compiled the cell into (``/tmp/ipykernel_.../....py``)."""
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_globals.get("__name__", "").partition(".")[0] == "tpunb":
+        frame = frame.f_back
+    if frame is None:
+        warnings.warn(message, TpunbWarning, stacklevel=2)
+        return
+    warnings.warn_explicit(
+        message,
+        TpunbWarning,
+        program_lines.cell_or_file(frame.f_code.co_filename),
+        frame.f_lineno,
+        module=frame.f_globals.get("__name__"),
+        registry=frame.f_globals.setdefault("__warningregistry__", {}),
+    )
 
 
 def check_count(value, call, what, example):

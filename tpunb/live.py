@@ -10,10 +10,9 @@ figure, kept in the notebook as a plain image."""
 import importlib.util
 import io
 import time
-import warnings
 
 from tpunb import platform, plots, versions
-from tpunb.errors import TpunbError, TpunbWarning
+from tpunb.errors import TpunbError, warn
 from tpunb.snapshot import Snapshot
 
 MODES = ("auto", "widgets", "text", "off")
@@ -246,9 +245,7 @@ class Guarded:
             method(*args)
         except Exception as error:  # noqa: BLE001 - drawing must never stop training
             self.broken = True
-            warnings.warn(
+            warn(
                 f"The live view stopped ({type(error).__name__}: {error}); the launch goes on "
-                "and its history is kept: results.history.plot() draws it afterwards.",
-                TpunbWarning,
-                stacklevel=3,
+                "and its history is kept: results.history.plot() draws it afterwards."
             )

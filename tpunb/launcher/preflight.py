@@ -6,10 +6,9 @@ import dataclasses
 import inspect
 import os
 import sys
-import warnings
 
 from tpunb import cores, live, platform, upstream, versions
-from tpunb.errors import TpunbError, TpunbWarning
+from tpunb.errors import TpunbError, warn
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,15 +139,13 @@ def warn_about_worker_processes(plan, args, kwargs):
     """A DataLoader argument whose workers each rank would fork: warned, with the cost."""
     for loader in [a for a in (*args, *kwargs.values()) if _forks_workers(a)]:
         workers = loader.num_workers
-        warnings.warn(
+        warn(
             f"A DataLoader with num_workers={workers} is passed to launch: each of the "
             f"{plan.cores} ranks will fork {workers} worker processes from its own forked "
             f"process ({plan.cores * workers} in all, on {os.cpu_count()} CPUs). Forking a "
             "process whose other threads run XLA can deadlock, and the workers compete "
             "with the ranks for the CPU. For data already in memory use num_workers=0; "
-            "otherwise keep ranks x workers within the host's CPUs.",
-            TpunbWarning,
-            stacklevel=3,
+            "otherwise keep ranks x workers within the host's CPUs."
         )
 
 

@@ -9,14 +9,13 @@ from __future__ import annotations
 import contextlib
 import pickle
 import queue
-import sys
 import threading
 import time
 import warnings
 from typing import TYPE_CHECKING
 
 from tpunb import compile_watch, device_memory, history, live, platform
-from tpunb.errors import TpunbWarning
+from tpunb.errors import warn
 from tpunb.launcher import (
     channel,
     failures,
@@ -198,7 +197,7 @@ class _Supervisor:
 
     def _warn(self, messages):
         for message in messages:
-            warnings.warn(message, TpunbWarning, stacklevel=_outside_tpunb())
+            warn(message)
 
     def _failed(self):
         if self.hang or self.divergence:
@@ -257,12 +256,3 @@ class _Supervisor:
             self.history,
             self.compile_watch.summary(),
         )
-
-
-def _outside_tpunb():
-    """The ``stacklevel`` that shows a warning at the user's line calling tpunb (the
-    launch), not inside tpunb."""
-    frame, level = sys._getframe(1), 1  # stacklevel 1: the function calling warnings.warn
-    while frame is not None and frame.f_globals.get("__name__", "").partition(".")[0] == "tpunb":
-        frame, level = frame.f_back, level + 1
-    return level
