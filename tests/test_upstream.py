@@ -55,7 +55,7 @@ def _never_run(rank):
     raise AssertionError("no rank may start")
 
 
-def test_a_launch_without_a_name_it_needs_is_refused_before_any_fork(monkeypatch):
+def test_a_launch_without_a_name_it_needs_is_refused_before_any_fork(cores8, monkeypatch):
     import torch_xla
 
     # A torch_xla that renamed one (it is spelled "placecholder" in 2.8 and 2.9).

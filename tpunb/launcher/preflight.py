@@ -43,7 +43,6 @@ def plan(requested=None):
     a core count other than all or 1."""
     if not versions.has_torch_xla():
         raise TpunbError(versions.INSTALL_TORCH_XLA)
-    upstream.check(upstream.LAUNCH, "tpunb's launch")
     check_runtime_not_started()
     layout = cores.available()
     if layout is None:
@@ -52,6 +51,8 @@ def plan(requested=None):
             "simulated on the CPU, call tpunb.simulate(cores=8) before tpunb.launch(...). "
             "On Colab or Kaggle, pick a TPU runtime/accelerator first."
         )
+    # Imports torch_xla: once a TPU or a simulation has set its device (PJRT_DEVICE).
+    upstream.check(upstream.LAUNCH, "tpunb's launch")
     if requested is None or requested == layout.cores:
         return Plan(cores=layout.cores, simulated=layout.simulated)
     if requested == 1 and not isinstance(requested, bool):

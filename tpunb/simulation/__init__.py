@@ -76,7 +76,6 @@ def simulate(
             "instead_of_tpu=True)."
         )
     _check_torch_xla_version()
-    upstream.check(upstream.SIMULATION, "tpunb.simulate")
     if platform.runtime_started():
         raise TpunbError(
             "The XLA runtime is already running in this process, so the number of simulated "
@@ -95,6 +94,8 @@ def simulate(
     # read them.
     os.environ.setdefault("TPU_PROCESS_ADDRESSES", "local")
     os.environ.setdefault("CLOUD_TPU_TASK_ID", "0")
+    # Imports torch_xla: only now that the environment names the simulated device.
+    upstream.check(upstream.SIMULATION, "tpunb.simulate")
 
     from tpunb.launcher import shared_process
     from tpunb.simulation import functional_collectives, lightning, spawned
