@@ -54,6 +54,9 @@ def test_launch_from_a_jupyter_kernel(tmp_path):
     assert error.ename == "RankError"
     assert error.evalue.startswith("rank 3 raised ValueError: rank 3 is broken")
     assert "raise ValueError('rank 3 is broken')" in error.evalue
+    # The rank's traceback names the cell as IPython's own tracebacks do.
+    assert 'File "cell In[4]", line 3, in broken' in error.evalue
+    assert "ipykernel" not in error.evalue
     # The kernel survives the failure and launches again.
     assert "[0, 1, 4, 9, 16, 25, 36, 49]" in _output_text(cells[4])
     (refusal,) = [o for o in cells[5].outputs if o.output_type == "error"]

@@ -3,6 +3,7 @@ torch_xla and tpunb, named as a learner reads it (a notebook cell as "cell In[3]
 
 import os
 import sys
+import traceback
 
 
 def libraries(own=True):
@@ -37,3 +38,22 @@ def cell_or_file(filename):
     shell = sys.modules.get("IPython") and sys.modules["IPython"].get_ipython()
     name = getattr(getattr(shell, "compile", None), "format_code_name", lambda _: None)(filename)
     return f"cell {name[1]}" if name else filename
+
+
+def formatted_traceback(error, frames):
+    """``traceback.format_exception``'s lines for ``error`` from ``frames`` on, with each
+    notebook cell named as IPython's own tracebacks name it ("cell In[4]"), not by the
+    temporary file the cell was compiled into."""
+    summary = traceback.TracebackException(type(error), error, frames)
+    _name_cells(summary, set())
+    return list(summary.format())
+
+
+def _name_cells(summary, seen):
+    if summary is None or id(summary) in seen:
+        return
+    seen.add(id(summary))
+    for frame in summary.stack:  # each frame's source line is read already
+        frame.filename = cell_or_file(frame.filename)
+    _name_cells(summary.__cause__, seen)
+    _name_cells(summary.__context__, seen)

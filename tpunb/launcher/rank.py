@@ -11,9 +11,8 @@ import itertools
 import os
 import threading
 import time
-import traceback
 
-from tpunb import cores
+from tpunb import cores, program_lines
 from tpunb.errors import CollectiveMismatch, RankEnded
 from tpunb.launcher import channel, failures, heartbeat, ledger, recorder
 from tpunb.launcher.messages import Raised, Returned
@@ -82,7 +81,7 @@ def run(key, rank, work=None):
             frames = error.__traceback__
             while frames is not None and frames.tb_frame.f_globals.get("__name__") == __name__:
                 frames = frames.tb_next
-            remote = traceback.format_exception(type(error), error, frames)
+            remote = program_lines.formatted_traceback(error, frames)
             steps.flush_finished_steps()  # the history up to the error, for the plots
             # Stopped by another rank's end, or by calls that differ: the simulation's checks;
             # the launch's own ledger names the cause (ledger.py).
