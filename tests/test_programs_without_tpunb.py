@@ -22,6 +22,7 @@ def _run(args, cwd=None, timeout=300):
     return result, time.monotonic() - start
 
 
+@pytest.mark.pair("colab", reason="spawn alike on both pairs; the failing-spawn test runs on both")
 def test_a_script_runs_unchanged_with_the_spawn_start_method():
     script = os.path.join(THIRD_PARTY, "train_script.py")
     # 4 cores: each spawned rank is a new interpreter importing torch_xla (CI time).
