@@ -14,6 +14,24 @@ import importlib
 from tpunb import versions
 from tpunb.errors import TpunbError
 
+# The primitives every Python collective (xm.*, torch.distributed's XLA backend,
+# torch_xla.core.functions, SyncBatchNorm) reaches, which both simulation layouts replace
+# (simulation/collectives.py, host_collectives.py); xm.send and xm.recv: point_to_point.py.
+COLLECTIVE_PRIMITIVES = (
+    "_xla_all_reduce",
+    "_xla_all_reduce_inplace",
+    "_xla_all_gather",
+    "_xla_all_gather_out",
+    "_xla_all_gather_coalesced",
+    "_xla_all_gather_coalesced_out",
+    "_xla_reduce_scatter",
+    "_xla_reduce_scatter_out",
+    "_xla_reduce_scatter_coalesced",
+    "_xla_reduce_scatter_coalesced_out",
+    "_xla_all_to_all",
+    "_xla_collective_permute",
+)
+
 # Every launch (tpunb.launch, tpunb.lightning), on a TPU too.
 LAUNCH = {
     "torch_xla._XLAC": (
@@ -42,19 +60,7 @@ LIGHTNING = {
 # tpunb.simulate (never on a TPU).
 SIMULATION = {
     "torch_xla._XLAC": (
-        # the collective primitives each layout replaces (collectives.py, host_collectives.py)
-        "_xla_all_reduce",
-        "_xla_all_reduce_inplace",
-        "_xla_all_gather",
-        "_xla_all_gather_out",
-        "_xla_all_gather_coalesced",
-        "_xla_all_gather_coalesced_out",
-        "_xla_reduce_scatter",
-        "_xla_reduce_scatter_out",
-        "_xla_reduce_scatter_coalesced",
-        "_xla_reduce_scatter_coalesced_out",
-        "_xla_all_to_all",
-        "_xla_collective_permute",
+        *COLLECTIVE_PRIMITIVES,  # each layout replaces them
         "_set_all_reduce_token",
         "_xla_step_marker",  # the cuts before a collective
         "_xla_get_default_device",

@@ -68,24 +68,10 @@ from tpunb.simulation.calls import (  # noqa: F401 (CollectiveMismatch: its home
     never_completes,
     unmatched,
 )
+from tpunb.upstream import COLLECTIVE_PRIMITIVES
 
-# The primitives every Python collective (xm.*, torch.distributed's XLA backend,
-# torch_xla.core.functions, SyncBatchNorm) reaches, with xm.all_reduce, whose default path
-# is the C++ op torch.ops._c10d_functional.all_reduce.
-COLLECTIVE_PRIMITIVES = (
-    "_xla_all_reduce",
-    "_xla_all_reduce_inplace",
-    "_xla_all_gather",
-    "_xla_all_gather_out",
-    "_xla_all_gather_coalesced",
-    "_xla_all_gather_coalesced_out",
-    "_xla_reduce_scatter",
-    "_xla_reduce_scatter_out",
-    "_xla_reduce_scatter_coalesced",
-    "_xla_reduce_scatter_coalesced_out",
-    "_xla_all_to_all",
-    "_xla_collective_permute",
-)  # xm.send and xm.recv: point_to_point.py
+# xm.all_reduce's default path is the C++ op torch.ops._c10d_functional.all_reduce
+# (functional_collectives.py).
 
 
 _calls = threading.local()  # per thread: a collective call under way? compiles at its sync
