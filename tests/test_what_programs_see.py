@@ -69,9 +69,14 @@ def test_torch_xlas_debug_output_names_the_users_sync_and_line(layout, tmp_path)
     _simulated(command, cores=2, env={"PT_XLA_DEBUG_LEVEL": "2", "PT_XLA_DEBUG_FILE": str(debug)})
     output = debug.read_text()
     analyses = _analyses(output)
-    # 2 ranks x 3 steps executed, and the graphs compiled: in one process of threads 3, in
-    # each process its own.
-    assert 2 * 3 <= len(analyses) <= 10, output[-3000:]
+    kinds = re.findall(r"Analysis: (Compilation|Execution) Cause", output)
+    if layout == "processes":
+        # As on a v5e-8, only the host's first process (PJRT_LOCAL_PROCESS_RANK 0) prints:
+        # its 2 graphs (the first step's, then the others') compiled, its 3 steps executed.
+        assert sorted(kinds) == ["Compilation"] * 2 + ["Execution"] * 3, output[-3000:]
+    else:
+        # One process: both ranks' 3 steps executed, the graphs compiled 2 to 4 times.
+        assert kinds.count("Execution") == 2 * 3 and 2 <= kinds.count("Compilation") <= 4
     line = next(n for n, text in enumerate(open(script), 1) if "torch_xla.sync()  #" in text)
     for cause, frames in analyses:
         assert cause == "user torch_xla.sync"

@@ -140,6 +140,14 @@ class Exchange:
         self._opened = {}  # name -> another rank's segment
         self._write_state(0)
 
+    def join(self):
+        """Waits until every rank's process has joined (the first round, with nothing to
+        share), as a TPU process's runtime waits at its start for the host's other
+        processes. Without it, ``xmp.spawn``'s pool could run a rank that ends at once and
+        then another rank's task in the same process, with the first rank's state."""
+        self.rounds += 1
+        self._meet()
+
     def _write_segment(self, segment, *values):
         _SEGMENT.pack_into(
             self.directory.buf, _RANK_SIZE * self.rank + _SEGMENT.size * segment, *values

@@ -85,6 +85,7 @@ def _as_a_rank_process(run_threads):
             return result
 
         try:
+            exchange.join()
             results = run_threads(local_rank, local_world_size, rank, initializer_fn)
             # Keyed by the device's ordinal in its process (0); on a TPU by its global one.
             (result,) = results.values()
