@@ -238,6 +238,47 @@ def test_every_read_that_cuts_a_step_is_named_once_with_its_line(cores8):
     assert len(messages) == 7
 
 
+def _syncs_in_a_batch(rank, model, loader, where):
+    """A loader's steps with a sync of the notebook's own: in the middle of the step (the
+    step runs as two graphs) or at its end (the loader's sync then has nothing to run)."""
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+
+    model = copy.deepcopy(model).to(torch_xla.device())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    for inputs, targets, lengths in tpunb.shard(loader):
+        loss = ((model(inputs).squeeze(-1).sum(1) / lengths - targets) ** 2).mean()
+        loss.backward()
+        if where == "mid-step":
+            torch_xla.sync()  # splits the step
+        xm.optimizer_step(optimizer)
+        optimizer.zero_grad()
+        if where == "step end":
+            torch_xla.sync()
+    return model.weight.cpu()
+
+
+@pytest.mark.parametrize("where", ["mid-step", "step end"])
+def test_a_sync_that_splits_a_loaders_step_is_named_once_with_its_line(cores8, where):
+    loader = DataLoader(
+        _sequences(512), batch_size=8, collate_fn=tpunb.BucketCollate([LENGTHS.stop])
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        results = tpunb.launch(_syncs_in_a_batch, _model(), loader, where, live=False)
+    messages = [str(w.message) for w in caught if issubclass(w.category, tpunb.TpunbWarning)]
+    assert results.compiles.fallbacks == {}
+    if where == "step end":  # one graph a step: the loader's sync runs nothing
+        assert messages == [] and results.compiles.causes == []
+        return
+    line = next(n for n, text in enumerate(open(__file__), 1) if "# splits the step" in text)
+    [message] = messages
+    assert f"torch_xla.sync() at {__file__}, line {line} ran the step's work before" in message
+    [cause] = results.compiles.causes
+    steps = 512 // 8 // 8
+    assert cause.endswith(f"It split {steps} steps.")
+
+
 def _reads_values_the_torch_xla_way(rank, model, loader):
     """Reads device values only after a step's sync: in a step closure, through
     xm.mesh_reduce and xm.rendezvous (each calls .item() on computed values)."""

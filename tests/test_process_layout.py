@@ -139,7 +139,6 @@ def test_a_layout_that_does_not_exist_is_refused_before_anything_starts():
         tpunb.simulate(cores=8, layout="fibres")
 
 
-
 def test_ranks_that_end_at_once_still_each_run_in_a_process_of_their_own(tmp_path):
     # xmp.spawn's process pool gives a rank's task to any idle process: without the ranks
     # meeting at their start (as a TPU's runtime does), a spawned rank that ended at once
@@ -156,10 +155,8 @@ def test_ranks_that_end_at_once_still_each_run_in_a_process_of_their_own(tmp_pat
         "    torch_xla.launch(rank)\n"
     )
     command = [sys.executable, "-m", "tpunb.simulate", "--cores", "2", "--layout", "processes"]
-    result = subprocess.run(
-        [*command, str(script)], capture_output=True, text=True, timeout=300
-    )
+    result = subprocess.run([*command, str(script)], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     ranks = sorted(line.split() for line in result.stdout.splitlines() if line.startswith("rank"))
-    assert [(index, process_rank) for _, index, _, process_rank in ranks] == [("0", "0"), ("1", "1")]
-    assert ranks[0][2] != ranks[1][2], result.stdout
+    assert [(index, rank) for _, index, _, rank in ranks] == [("0", "0"), ("1", "1")]
+    assert ranks[0][2] != ranks[1][2], result.stdout  # two processes

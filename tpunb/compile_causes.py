@@ -65,6 +65,18 @@ def read(where, kind, what, file, line, waiting_steps):
     )
 
 
+def split(where, what, file, line):
+    """A sync of the program's at ``file``, ``line`` ended a step that another sync, in the
+    same batch of the loader, ended again: the step ran as two graphs."""
+    return (
+        f"{where}: {what} at {file}, line {line} ran the step's work before its batch was "
+        "done, and another sync in the same batch ran the work traced after it: two graphs "
+        "a step instead of one, each dispatched and waited for. torch_xla's loader "
+        "(MpDeviceLoader, tpunb.shard) already syncs at every batch: remove this call, or "
+        "move the work traced after it before it."
+    )
+
+
 def compiled(where, compiles, new, usual, shapes_so_far):
     """(key, message) for ``compiles`` new graphs at ``where``: ``new``, the batch shapes
     first seen there (none: the graph itself changed); ``usual``, the most common batch

@@ -28,13 +28,14 @@ WARMUP, TRAINING, NOT_TRAINING = "warm-up", "training", "not training"
 # device) in this many steps after the warm-up is warned about.
 WAITING_STEPS = 5
 _READ_BACK = "aten::_local_scalar_dense"  # .item() and the like: a value read back
+_DID = {"cut": "cut", "wait": "waited in", "split": "split"}  # a read's kind, summed up
 
 # What a step did, all ranks together: compilations ({reporting rank: count}, one count a
 # process, those the step itself may have caused: torch_xla's helpers' own left out), CPU
 # fallbacks (op -> times), the steps the processes' ranks were in meanwhile (lowest,
 # highest; None when unknown), and whether one of them was in its work after its function
-# returned, and the device values its ranks read ((kind, what, file, line): kind "cut" or
-# "wait", as ``history.Step.reads``).
+# returned, and the device values its ranks read ((kind, what, file, line): kind "cut",
+# "wait" or "split", as ``history.Step.reads``).
 _Register = collections.namedtuple("_Register", "compiles fallbacks span closing reads")
 
 
@@ -139,10 +140,10 @@ class CompileWatch:
 
     def _with_steps(self, key, message):
         """A cut's cause, with the steps it cut so far."""
-        if key[0] not in ("cut", "wait"):
+        if key[0] not in _DID:
             return message
         steps = reports.count(self._read_steps[key], "step")
-        return f"{message} It {'cut' if key[0] == 'cut' else 'waited in'} {steps}."
+        return f"{message} It {_DID[key[0]]} {steps}."
 
     def _register(self, number, by_rank):
         framework = any(s.framework for s in by_rank.values())
@@ -251,7 +252,9 @@ class CompileWatch:
         causes = []
         for key in sorted(reads):
             self._read_steps[key] += 1
-            if key[0] == "cut" or (
+            if key[0] == "split":
+                causes.append((key, compile_causes.split(self._place(number), *key[1:])))
+            elif key[0] == "cut" or (
                 self._read_steps[key] >= WAITING_STEPS and number >= self._warmup_end
             ):
                 message = compile_causes.read(self._place(number), *key, WAITING_STEPS)

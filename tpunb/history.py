@@ -52,8 +52,10 @@ class Step:
     helper_compiles: int | None = None
     # Reads of device values, each [kind, what, file, line, times]: kind "cut" where the
     # step had not computed the value yet (its pending graph ran up to it), "wait" where an
-    # execution was still computing it (the host waited for the device). None where reads
-    # were not watched.
+    # execution was still computing it (the host waited for the device), "split" where
+    # what, file and line are the program's own sync, which ran the step's work before a
+    # second sync in the same batch of the loader ran the rest. None where reads were not
+    # watched.
     reads: list | None = None
     # The rank's device memory (bytes in use, peak, limit) when the record was sent, where
     # the device reports it (a TPU; not XLA's CPU client): ``device_memory.Use``.

@@ -10,7 +10,12 @@ sync, in ``xm.add_step_closure``) a read cuts nothing; it waits for the device w
 execution is still computing the value. The Tensor methods are wrapped for the launch;
 each read that cuts or waits is given to the rank's recorder with the user's file and
 line: the innermost frame outside torch and torch_xla (reads of tpunb's own, the
-simulation's among them, are not the user's)."""
+simulation's among them, are not the user's).
+
+A sync that runs pending work is told apart too (``sync_ran_work``): where a loader's
+batch has two of them, the step's work ran as two graphs, and the notebook's own sync
+(``torch_xla.sync()``, ``xm.mark_step()``, ``xm.optimizer_step(..., barrier=True)``) is
+the one to name."""
 
 import contextlib
 import os
@@ -32,6 +37,13 @@ _READS = {
     "__repr__": "print() or repr()",
     "__format__": "an f-string or format()",
 }
+# The torch_xla functions through which a program syncs itself, as a learner writes them.
+_SYNCS = {
+    "sync": "torch_xla.sync()",
+    "mark_step": "xm.mark_step()",
+    "optimizer_step": "xm.optimizer_step(..., barrier=True)",
+}
+_INSTALLED = ("site-packages", "dist-packages")  # a library's frame, not the program's
 _MISSING = object()
 _inside = threading.local()  # depth of wrapped reads in this thread: the outermost counts
 _TPUNB = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
@@ -46,6 +58,22 @@ def _user_line(libraries):
     if frame is None or frame.f_code.co_filename.startswith(_TPUNB):
         return None
     return program_lines.cell_or_file(frame.f_code.co_filename), frame.f_lineno
+
+
+def sync_ran_work():
+    """For a sync about to run: None where nothing is pending on the device (it runs no
+    graph); else ``(what, file, line)`` of the program's own sync call, or ``()`` where a
+    loader or a library syncs (torch_xla's loader at each batch, Lightning)."""
+    import torch_xla
+
+    pending = torch_xla._XLAC._check_device_tensor_need_materialization(str(torch_xla.device()))
+    if not any(pending):
+        return None
+    frame, entry = program_lines.program_frame(sys._getframe(1), program_lines.libraries())
+    installed = frame is not None and any(p in frame.f_code.co_filename for p in _INSTALLED)
+    if frame is None or entry not in _SYNCS or installed:
+        return ()
+    return _SYNCS[entry], program_lines.cell_or_file(frame.f_code.co_filename), frame.f_lineno
 
 
 def _reads_to_host(torch, name, args, kwargs):

@@ -38,7 +38,10 @@ class Recorder:
         self._last_flush = time.monotonic()
         self._counters = ProcessCounters(heartbeat) if heartbeat is not None else None
         self._in_framework = False  # a framework's own steps, outside its training loop
-        self._reads = {}  # (cut, what, file, line) -> times read in the current step
+        self._reads = {}  # (kind, what, file, line) -> times read in the current step
+        # The syncs that ran work since a loader last handed out a batch: the program's own
+        # (what, file, line), or () for a loader's or a library's. None before any batch.
+        self._batch_syncs = None
         self._ledger = ledger
         self._memory = device_memory.Reader()
 
@@ -74,6 +77,7 @@ class Recorder:
         """A batch handed out by torch_xla's per-device loader ``device_loader`` (a new
         one each pass over the data)."""
         self._count_pass(device_loader)
+        self._batch_syncs = []
         shapes = _shapes(batch)
         if shapes:
             self._shapes.append(shapes)
@@ -100,14 +104,25 @@ class Recorder:
         self.step += 1
         self._values, self._shapes, self._samples, self._reads = {}, [], 0, {}
 
-    def before_sync(self):
-        """Called right before this rank's ``torch_xla.sync()``: sends the finished steps
-        once ``FLUSH_SECONDS`` have passed since the last send. Not right after the sync:
-        reading a device value takes the device's lock, which the execution just
-        dispatched holds until it ends (``TensorCollectionBarrier`` in
-        https://github.com/pytorch/xla/blob/v2.9.0/torch_xla/csrc/xla_graph_executor.cpp),
+    def before_sync(self, ran_work=None):
+        """Called right before this rank's ``torch_xla.sync()``, with what
+        ``reads.sync_ran_work`` says of it. A second sync that runs work in a loader's batch
+        split the batch's step into two graphs: the program's own sync among the two is
+        recorded as a ``"split"`` read.
+
+        Then sends the finished steps once ``FLUSH_SECONDS`` have passed since the last
+        send. Not right after the sync: reading a device value takes the device's lock,
+        which the execution just dispatched holds until it ends (``TensorCollectionBarrier``
+        in https://github.com/pytorch/xla/blob/v2.9.0/torch_xla/csrc/xla_graph_executor.cpp),
         so the host would wait for the device instead of tracing the next step. A step's
         tracing later, that execution has usually ended."""
+        if ran_work is not None and self._batch_syncs is not None:
+            self._batch_syncs.append(ran_work)
+            if len(self._batch_syncs) >= 2:
+                site = self._batch_syncs[-2] or ran_work
+                if site and not excused_here():
+                    key = ("split", *site)
+                    self._reads[key] = self._reads.get(key, 0) + 1
         if time.monotonic() - self._last_flush >= FLUSH_SECONDS:
             # The process's reporter keeps its last step back: the counts of the ranks
             # still running after it join that step at the end (finish).
