@@ -13,6 +13,14 @@ import pytest
 
 import tpunb
 
+# torch's inductor starts a pool of compile workers as it is imported
+# (AsyncCompile.warm_pool in torch/_inductor/async_compile.py, where triton is installed),
+# and torch_xla's dynamo bridge imports it: in every process that imports torch_xla, the
+# scripts' spawned rank processes and the lessons' kernels among them, that is about 4 s of
+# CPU, and 4 s more at exit, on this 2-CPU machine. torch_xla's openxla backend never uses
+# the pool. Off for the test session and every process and kernel it starts.
+os.environ.setdefault("TORCH_WARM_POOL", "0")
+
 # TPU programs written without tpunb: test_programs_without_tpunb.py runs them as their
 # authors would, not as part of this collection.
 collect_ignore = ["third_party"]
