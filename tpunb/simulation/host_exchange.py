@@ -4,8 +4,10 @@ for the data, a ``torch.distributed.TCPStore`` served by the launching process t
 Used only by the process layout (rank_processes.py). The launching process opens a
 ``Meeting`` before ``xmp.spawn`` starts the ranks and closes it after: a TCPStore on the
 loopback and a small shared-memory directory. The ranks, forked or spawned, find both
-through the environment variable ``MEETING``. In a rank, ``Exchange.share(description,
-tensors)`` is one round of a collective:
+through the environment variable ``MEETING``. A rank first waits until every rank's process
+has joined (``Exchange.join``, the first round), as a TPU process's runtime waits for the
+host's other processes. Then ``Exchange.share(description, tensors)`` is one round of a
+collective:
 
 1. the rank writes its call's description and its tensors' bytes into its own
    shared-memory segment, and their lengths into its slot of the directory;
