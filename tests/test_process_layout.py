@@ -139,6 +139,7 @@ def test_a_layout_that_does_not_exist_is_refused_before_anything_starts():
         tpunb.simulate(cores=8, layout="fibres")
 
 
+@pytest.mark.pair("colab", reason="on Kaggle's, the process layout's debug-output test sees it")
 def test_ranks_that_end_at_once_still_each_run_in_a_process_of_their_own(tmp_path):
     # xmp.spawn's process pool gives a rank's task to any idle process: without the ranks
     # meeting at their start (as a TPU's runtime does), a spawned rank that ended at once
