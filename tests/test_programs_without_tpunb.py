@@ -22,7 +22,7 @@ def _run(args, cwd=None, timeout=300):
     return result, time.monotonic() - start
 
 
-@pytest.mark.pair("colab", reason="spawn alike on both pairs; the failing-spawn test runs on both")
+@pytest.mark.pair("colab", reason="spawn alike on both pairs; a failing spawned rank on Kaggle's")
 def test_a_script_runs_unchanged_with_the_spawn_start_method():
     script = os.path.join(THIRD_PARTY, "train_script.py")
     # 4 cores: each spawned rank is a new interpreter importing torch_xla (CI time).
@@ -34,6 +34,7 @@ def test_a_script_runs_unchanged_with_the_spawn_start_method():
     assert "world size 1" in result.stdout, result.stderr[-3000:]
 
 
+@pytest.mark.pair("kaggle", reason="spawn alike on both pairs; a script spawned whole on Colab's")
 def test_a_spawned_rank_that_fails_stops_the_script_at_once_with_its_error():
     script = os.path.join(THIRD_PARTY, "failing_script.py")
     before = {p.pid for p in launch_leftovers()}
