@@ -26,7 +26,7 @@ _DYNAMO_BRIDGE = "torch_xla._dynamo.dynamo_bridge"
 def _before_sync(caller):
     recording = recorder.current()
     if recording is not None and caller != _DYNAMO_BRIDGE:
-        recording.before_sync(reads.sync_ran_work())
+        recording.before_sync()  # the steps before this one, computed by now: sent
 
 
 def _after_sync(caller):

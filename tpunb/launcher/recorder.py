@@ -10,6 +10,7 @@ import time
 from tpunb import device_memory
 from tpunb.errors import TpunbError
 from tpunb.history import Step
+from tpunb.launcher import reads
 from tpunb.launcher.messages import Steps
 from tpunb.launcher.process_counters import ProcessCounters, excused_here
 
@@ -104,11 +105,11 @@ class Recorder:
         self.step += 1
         self._values, self._shapes, self._samples, self._reads = {}, [], 0, {}
 
-    def before_sync(self, ran_work=None):
-        """Called right before this rank's ``torch_xla.sync()``, with what
-        ``reads.sync_ran_work`` says of it. A second sync that runs work in a loader's batch
-        split the batch's step into two graphs: the program's own sync among the two is
-        recorded as a ``"split"`` read.
+    def before_sync(self):
+        """Called right before this rank's ``torch_xla.sync()``. Once a loader has handed
+        out a batch, a second sync that runs work in the batch split its step into two
+        graphs: the program's own sync among the two is recorded as a ``"split"`` read
+        (``reads.sync_ran_work`` tells, only then: it looks at the device's pending work).
 
         Then sends the finished steps once ``FLUSH_SECONDS`` have passed since the last
         send. Not right after the sync: reading a device value takes the device's lock,
@@ -116,7 +117,8 @@ class Recorder:
         in https://github.com/pytorch/xla/blob/v2.9.0/torch_xla/csrc/xla_graph_executor.cpp),
         so the host would wait for the device instead of tracing the next step. A step's
         tracing later, that execution has usually ended."""
-        if ran_work is not None and self._batch_syncs is not None:
+        ran_work = reads.sync_ran_work() if self._batch_syncs is not None else None
+        if ran_work is not None:
             self._batch_syncs.append(ran_work)
             if len(self._batch_syncs) >= 2:
                 site = self._batch_syncs[-2] or ran_work
