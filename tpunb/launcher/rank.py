@@ -52,6 +52,11 @@ def unregister(key):
     return _jobs.pop(key)
 
 
+def registered(key):
+    """The registered job ``key``: what its launcher hands its ranks."""
+    return _jobs[key]
+
+
 def run(key, rank, work=None):
     """The entry of every rank of job ``key``: runs ``fn(rank, *args, **kwargs)`` (or
     ``work(rank)``), recording its steps, then sends its result or error to the notebook."""

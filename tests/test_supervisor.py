@@ -1,0 +1,103 @@
+"""The notebook's side of a launch, fed the records ranks send, without a rank: through the
+launch's channel (a real pipe), the supervisor, the history, the compile watch and the
+text view. Fast: no rank runs, no torch_xla graph is built."""
+
+import pickle
+import warnings
+
+import pytest
+
+import tpunb
+from tpunb.history import Step
+from tpunb.launcher import base, rank, supervisor
+from tpunb.launcher.messages import Raised, Returned, Steps
+from tpunb.launcher.preflight import Plan
+
+STEPS = 10  # a rank's steps; its batches have 8 samples, its last one 5
+COMPILES = [2, 1, 0, 0, 0, 0, 0, 0, 0, 1]  # each rank's process: the warm-up, then the 5
+
+
+def _records(core):
+    """Core ``core``'s step records, as a rank of the process layout sends them."""
+    return [
+        Step(
+            step,
+            time=0.1 * step,
+            values={"loss": 1.0 / (step + 1) + core},
+            shapes=[[(5 if step == STEPS - 1 else 8, 16)]],
+            samples=5 if step == STEPS - 1 else 8,
+            compiles=COMPILES[step],
+            cached=0,
+            compile_seconds=0.5 * COMPILES[step],
+            fallbacks={},
+            epoch=0,
+            epoch_batch=step + 1,
+            epoch_batches=STEPS,
+        )
+        for step in range(STEPS)
+    ]
+
+
+class _Records(base.Launcher):
+    """Ranks that are only what they send: each core's step records, in two messages as a
+    rank sends them while it runs, then its error or its result, written to the launch's
+    channel from the launcher's thread."""
+
+    def __init__(self, cores, failing=None):
+        super().__init__(cores)
+        self.failing = failing
+
+    def start(self, key):
+        job = rank.registered(key)
+        for core in range(self.cores):
+            records = _records(core)
+            job.channel.send(Steps.of(core, records[:4]), plain=True)
+            job.channel.send(Steps.of(core, records[4:]), plain=True)
+        for core in range(self.cores):
+            if core == self.failing:
+                job.channel.send(Raised(core, "raised ValueError: no more data", "Traceback"))
+            else:
+                job.channel.send(Returned([(core, pickle.dumps(core * 10))]))
+
+
+def _supervise(launcher):
+    plan = Plan(cores=launcher.cores, simulated=True)
+    return supervisor.supervise(plan, launcher, hang_timeout=None, view="text")
+
+
+def test_records_reach_the_history_the_compile_watch_and_the_view(capsys):
+    with warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
+        results = _supervise(_Records(2))
+    assert list(results) == [0, 10]
+    history = results.history
+    for core in range(2):
+        steps, losses = history.values("loss")[core]
+        assert losses == [r.values["loss"] for r in _records(core)]
+    # Each process compiled the short last batch's graph: named once, as its cause.
+    [message] = [str(w.message) for w in warned if issubclass(w.category, tpunb.TpunbWarning)]
+    assert message.startswith(
+        "epoch 1, batch 10 compiled 1 new graph: batch shape (5, 16) is smaller than the usual "
+        "batch of 8"
+    )
+    summary = results.compiles
+    assert (summary.compiles, summary.compiles_after_warmup, summary.steps) == (4, 1, STEPS)
+    assert (summary.processes, summary.all_processes_compiles) == (2, 8)
+    # The figure draws the watch's verdicts: the warm-up's 3, the 1 after it at the 10th
+    # training step (the figure counts training steps from 1).
+    per_step = history.compiles_per_step()
+    assert sum(at.warmup for at in per_step) == summary.warmup_compiles == 3
+    assert [at.step for at in per_step if at.compiles > at.warmup] == [STEPS]
+    # The text view: a line at the epoch's end and one at the launch's, the loss the mean
+    # of the cores' last (0.1 and 1.1).
+    epoch, done = capsys.readouterr().out.splitlines()
+    assert epoch == f"epoch 1: {STEPS} batches a core, loss 0.6"
+    assert done.startswith(f"done: epoch 1, batch {STEPS}/{STEPS}, loss 0.6, ")
+    assert done.endswith(", 4 compilations, 0 s elapsed")
+
+
+def test_a_ranks_error_is_the_launchs_outcome_with_the_rank_named():
+    with pytest.raises(tpunb.RankError, match="no more data") as raised:
+        _supervise(_Records(2, failing=1))
+    assert raised.value.ranks == (1,)
+    assert "rank 1" in str(raised.value)
