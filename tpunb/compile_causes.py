@@ -77,6 +77,11 @@ def split(where, what, file, line):
     )
 
 
+# Distinct batch shapes a run may have without a warning: each compiles once, and a few
+# is what padding to buckets gives (the messages below advise 4).
+FEW_SHAPES = 4
+
+
 def compiled(where, compiles, new, usual, shapes_so_far):
     """(key, message) for ``compiles`` new graphs at ``where``: ``new``, the batch shapes
     first seen there (none: the graph itself changed); ``usual``, the most common batch
@@ -101,8 +106,8 @@ def compiled(where, compiles, new, usual, shapes_so_far):
         f"{where} compiled {graphs}: batch shape {_format(new[0])} not seen before; "
         f"{reports.count(shapes_so_far, 'distinct shape')} so far. Every new "
         "shape is a new graph to compile. Pad to buckets: DataLoader(..., collate_fn="
-        "tpunb.BucketCollate(tpunb.choose_buckets(lengths, 4, batch_size=...))) gives at "
-        "most 4 shapes."
+        f"tpunb.BucketCollate(tpunb.choose_buckets(lengths, {FEW_SHAPES}, batch_size=...))) "
+        f"gives at most {FEW_SHAPES} shapes."
     )
 
 

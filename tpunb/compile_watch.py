@@ -65,7 +65,11 @@ class CompileWatch:
         self._last_step = float("inf")  # known once the launch ended
         self._registers = {}  # step -> _Register, until judged
         self._shapes = {}  # batch shape -> first step seen (ordered)
-        self._new_by_step = collections.defaultdict(list)  # step -> shapes first seen there
+        # step -> the shapes new to a process there: first seen by any rank where ranks share
+        # a process; where each rank is a process (a v5e-8), first seen by that rank, since
+        # each process compiles every shape it meets
+        self._new_by_step = collections.defaultdict(list)
+        self._rank_shapes = collections.defaultdict(set)  # rank -> the shapes it has met
         self._framework_steps = set()
         self._places = {}  # step -> where the training loop was: "epoch 2, batch 3"
         self._batch_sizes = collections.Counter()
@@ -175,12 +179,18 @@ class CompileWatch:
         for s in reports:
             fallbacks.update(s.fallbacks)
         self.fallbacks.update(fallbacks)
+        # Every rank reports its own process's compilations: a process a rank.
+        process_a_rank = all(s.compiles is not None for s in by_rank.values())
         for rank in sorted(by_rank):
             for batch in by_rank[rank].shapes:
                 key = _shape_key(batch)
+                new_here = key not in self._rank_shapes[rank] if process_a_rank else None
                 if key not in self._shapes:
                     self._shapes[key] = number
+                    new_here = True if new_here is None else new_here
+                if new_here and key not in self._new_by_step[number]:
                     self._new_by_step[number].append(key)
+                self._rank_shapes[rank].add(key)
                 self._batch_sizes[key[0][0] if key[0] else 1] += 1
         closing = any(s.process_closing for s in reports)
         reads = {tuple(read[:4]) for s in by_rank.values() for read in s.reads or ()}
@@ -227,7 +237,10 @@ class CompileWatch:
             # gathering results), the launch's last step, and a framework step's work read
             # a step early or run in the step after it.
             expected = after_training or any(n in self._framework_steps for n in around)
-            if cause[0] != "graph" or not expected:
+            few = self._shapes_through(shaped_at or number) <= compile_causes.FEW_SHAPES
+            if cause[0] == "shapes" and few:
+                pass  # a bucket's first batch: a few shapes, each compiled once
+            elif cause[0] != "graph" or not expected:
                 causes.append(cause)
             else:
                 self._verdicts[number] = NOT_TRAINING
