@@ -2,6 +2,7 @@
 point needs several cores it says so and how to see them. (On 8 simulated cores the
 lessons run under nbval with their committed outputs.)"""
 
+import concurrent.futures
 import shutil
 
 import nbformat
@@ -25,21 +26,41 @@ SAYS_ON_ONE_CORE = {
         "finished: 1797 samples on the one core",
     ],
 }
+LESSONS = sorted(SAYS_ON_ONE_CORE)
 
 
-@pytest.mark.parametrize("lesson", sorted(SAYS_ON_ONE_CORE))
-def test_a_lesson_runs_on_one_core_and_says_what_it_shows_there(lesson, tmp_path):
-    path = tmp_path / lesson
+def _run_on_one_core(folder, lesson):
+    """Runs a copy of the lesson on one core, in a folder of its own, and returns everything
+    it printed."""
+    folder = folder / lesson.removesuffix(".ipynb")
+    folder.mkdir()
+    path = folder / lesson
     shutil.copy(ROOT / "notebooks" / lesson, path)
     notebook = nbformat.read(path, as_version=4)
     # One core before the lesson's own first cell, as the TPU of Colab's runtime gives.
     notebook.cells.insert(0, nbformat.v4.new_code_cell("import tpunb\ntpunb.simulate(cores=1)"))
-    where = {"metadata": {"path": str(tmp_path)}}
+    where = {"metadata": {"path": str(folder)}}
     NotebookClient(notebook, timeout=600, kernel_name="python3", resources=where).execute()
-    printed = "\n".join(
+    return "\n".join(
         "".join(output.get("text", "")) + "".join(output.get("data", {}).get("text/plain", ""))
         for cell in notebook.cells
         for output in cell.get("outputs", [])
     )
+
+
+@pytest.fixture(scope="module")
+def printed_on_one_core(tmp_path_factory):
+    """Every lesson run on one core, two kernels at a time: a kernel spends most of a
+    one-core lesson importing torch_xla and tracing in one Python thread, so two side by
+    side take little longer than one. A lesson that fails raises in its own test."""
+    folder = tmp_path_factory.mktemp("one_core")
+    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as kernels:
+        runs = {lesson: kernels.submit(_run_on_one_core, folder, lesson) for lesson in LESSONS}
+    return runs
+
+
+@pytest.mark.parametrize("lesson", LESSONS)
+def test_a_lesson_runs_on_one_core_and_says_what_it_shows_there(lesson, printed_on_one_core):
+    printed = printed_on_one_core[lesson].result()
     for expected in SAYS_ON_ONE_CORE[lesson]:
         assert expected in printed, f"{lesson} on one core: {expected!r} not in its outputs"
