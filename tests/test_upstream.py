@@ -65,3 +65,24 @@ def test_a_launch_without_a_name_it_needs_is_refused_before_any_fork(cores8, mon
     message = str(refused.value)
     assert "torch_xla._XLAC._is_placecholder" in message
     assert "tpunb supports torch_xla 2.8 and 2.9" in message
+
+
+def test_a_patch_is_made_once_stacks_on_another_and_keeps_the_upstream_function():
+    import types
+
+    from tpunb import patching
+
+    def upstream(x):
+        return x
+
+    def adding(n):
+        return lambda function: lambda x: function(x) + n
+
+    owner = types.SimpleNamespace(f=upstream)
+    first = patching.replace(owner, "f", "add one", adding(1))
+    assert patching.replace(owner, "f", "add one", adding(100)) is first  # once
+    patching.replace(owner, "f", "add ten", adding(10))  # on top of it
+    assert owner.f(0) == 11 and list(patching.patches(owner.f)) == ["add ten", "add one"]
+    assert patching.upstream(owner.f) is upstream
+    patching.replace(owner, "f", "add ten", adding(20), renew=True)  # made again
+    assert owner.f(0) == 21 and list(patching.patches(owner.f)) == ["add ten", "add one"]

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 from tpunb import migration, upstream
 from tpunb.errors import TpunbError
 from tpunb.launcher import base, one_core, preflight, rank, supervisor
-from tpunb.simulation.lightning import trained_weights_back
+from tpunb.lightning_weights import trained_weights_back
 
 if importlib.util.find_spec("lightning") is None:
     raise TpunbError(

@@ -24,6 +24,8 @@ import sys
 import threading
 import types
 
+from tpunb import patching
+
 _hooks = {"before": [], "dispatched": [], "after": []}
 _callers = threading.local()  # .stack: the modules that called the syncs under way here
 
@@ -66,9 +68,13 @@ def install():
     import torch_xla
     import torch_xla.torch_xla as module
 
-    if getattr(module.sync, "hooked_by_tpunb", False):
-        return
-    upstream = module.sync
+    patching.replace((torch_xla, module), "sync", "step hooks", _hooked)
+
+
+def _hooked(upstream):
+    import torch_xla
+    import torch_xla.torch_xla as module
+
     names = dict(module.__dict__)
     names["torch_xla"] = _TorchXla(torch_xla)
     names["xm"] = _XlaModel(module.xm)
@@ -79,9 +85,7 @@ def install():
     hooked.__doc__ = upstream.__doc__
     hooked.__module__ = upstream.__module__
     hooked.__qualname__ = upstream.__qualname__
-    hooked.hooked_by_tpunb = True
-    hooked.upstream = upstream
-    torch_xla.sync = module.sync = hooked
+    return hooked
 
 
 class _TorchXla:

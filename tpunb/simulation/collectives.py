@@ -57,7 +57,7 @@ import torch_xla
 import torch_xla.core.xla_model as xm
 import torch_xla.runtime as xr
 
-from tpunb import cores, step_hooks
+from tpunb import cores, patching, step_hooks
 from tpunb.collective_calls import describe
 from tpunb.errors import RankEnded
 from tpunb.simulation import random_state, rank_cpu
@@ -123,11 +123,11 @@ class _Round:
 
 def install():
     """Make every collective call a graph of its own that all ranks run together."""
-    if getattr(xm.all_reduce, "own_graph", False):
+    if "own graph" in patching.patches(xm.all_reduce):
         return
     for name in COLLECTIVE_PRIMITIVES:
-        setattr(torch_xla._XLAC, name, _own_graph(getattr(torch_xla._XLAC, name)))
-    xm.all_reduce = _own_graph(xm.all_reduce)
+        patching.replace(torch_xla._XLAC, name, "own graph", _own_graph)
+    patching.replace(xm, "all_reduce", "own graph", _own_graph)
     _step_marker[0] = torch_xla._XLAC._xla_step_marker
     step_hooks.add(before=_compile_alone, dispatched=_others_may_dispatch, after=_step_ended)
 
@@ -175,7 +175,6 @@ def _own_graph(collective):
             return collective(*args, **kwargs)
         return _between_graphs(collective, args, kwargs)
 
-    call.own_graph = True
     return call
 
 

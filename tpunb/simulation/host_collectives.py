@@ -29,7 +29,7 @@ import torch_xla
 import torch_xla.core.xla_model as xm
 import torch_xla.runtime as xr
 
-from tpunb import step_hooks
+from tpunb import patching, step_hooks
 from tpunb.collective_calls import describe
 from tpunb.errors import RankEnded
 from tpunb.simulation.calls import Caller, mismatch, never_completes, unmatched
@@ -50,14 +50,14 @@ _signature = {}  # xm.all_reduce's, read once: its calls are bound to it at ever
 def install():
     """Replaces the collective primitives and xm.all_reduce in this process; they act as
     before outside a rank process (``start``)."""
-    if "all_reduce" in _original:
+    if "on the host" in patching.patches(xm.all_reduce):
         return
     for name, implementation in _PRIMITIVES.items():
-        _original[name] = getattr(torch_xla._XLAC, name)
-        setattr(torch_xla._XLAC, name, _in_ranks(name, implementation))
-    _original["all_reduce"] = xm.all_reduce
+        patching.replace(
+            torch_xla._XLAC, name, "on the host", functools.partial(_in_ranks, name, implementation)
+        )
     _signature["all_reduce"] = inspect.signature(xm.all_reduce)
-    xm.all_reduce = functools.wraps(xm.all_reduce)(_all_reduce_one_tensor_too)
+    patching.replace(xm, "all_reduce", "on the host", _all_reduce_one_tensor_too_of)
     step_hooks.add(after=_step_ended)
 
 
@@ -75,8 +75,8 @@ def _step_ended(caller):
     _rank["steps"] += 1
 
 
-def _in_ranks(name, implementation):
-    original = _original[name]
+def _in_ranks(name, implementation, original):
+    _original[name] = original
 
     @functools.wraps(original)
     def primitive(*args, **kwargs):
@@ -98,6 +98,11 @@ def _on_the_host(name, implementation, args, kwargs):
         return implementation(*args, **kwargs)
     finally:
         _rank["call"] = None
+
+
+def _all_reduce_one_tensor_too_of(all_reduce):
+    _original["all_reduce"] = all_reduce
+    return functools.wraps(all_reduce)(_all_reduce_one_tensor_too)
 
 
 def _all_reduce_one_tensor_too(reduce_type, inputs, *args, **kwargs):

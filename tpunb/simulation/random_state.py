@@ -24,7 +24,7 @@ import warnings
 
 import torch
 
-from tpunb import cores
+from tpunb import cores, patching
 from tpunb.errors import TpunbWarning
 
 WAIT = 30.0  # seconds a rank waits for another rank's setup to finish drawing
@@ -34,8 +34,7 @@ _holders_lock = threading.Lock()
 
 
 def install():
-    if not getattr(torch.manual_seed, "seeds_alone", False):
-        torch.manual_seed = torch.random.manual_seed = _seeding_alone(torch.random.manual_seed)
+    patching.replace((torch, torch.random), "manual_seed", "seeds alone", _seeding_alone)
 
 
 def _seeding_alone(manual_seed):
@@ -46,7 +45,6 @@ def _seeding_alone(manual_seed):
             draw_alone()
         return manual_seed(seed)
 
-    seeding_alone.seeds_alone = True
     return seeding_alone
 
 

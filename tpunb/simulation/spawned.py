@@ -11,18 +11,23 @@ own start-up. Its children get the simulation the same way.
 import functools
 import multiprocessing.spawn
 
+from tpunb import patching
+
 
 def install(cores, instead_of_tpu, layout):
-    command_line = getattr(
-        multiprocessing.spawn.get_command_line,
-        "before_simulation",
-        multiprocessing.spawn.get_command_line,
+    """Each ``simulate`` call sets the simulation spawned children start with."""
+    patching.replace(
+        multiprocessing.spawn,
+        "get_command_line",
+        "simulating first",
+        functools.partial(
+            _simulating_first, cores=cores, instead_of_tpu=instead_of_tpu, layout=layout
+        ),
+        renew=True,
     )
-    simulating = _simulating_first(command_line, cores, instead_of_tpu, layout)
-    multiprocessing.spawn.get_command_line = simulating
 
 
-def _simulating_first(command_line, cores, instead_of_tpu, layout):
+def _simulating_first(command_line, *, cores, instead_of_tpu, layout):
     @functools.wraps(command_line)
     def simulating_first(**kwargs):
         command = command_line(**kwargs)
@@ -35,5 +40,4 @@ def _simulating_first(command_line, cores, instead_of_tpu, layout):
         )
         return command
 
-    simulating_first.before_simulation = command_line
     return simulating_first

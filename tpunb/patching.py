@@ -1,0 +1,49 @@
+"""How tpunb replaces a function of torch_xla, torch or Lightning: once per patch, with
+what it replaced kept on the replacement, so that installing again leaves the patch in
+place, patches stack (both simulation layouts wrap the same collectives), and code that
+must reach the upstream function finds it. ``upstream.py`` lists the private names the
+patches touch; the launch's patches (``step_hooks``, ``launcher/``) hold on a TPU, the
+simulation's only after ``tpunb.simulate``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+_PATCH = "__tpunb_patch__"  # on a replacement: (the patch's name, what it replaced)
+
+
+def replace(
+    owners: Any, name: str, patch: str, make: Callable[[Any], Any], renew: bool = False
+) -> Any:
+    """Sets attribute ``name`` of ``owners`` (an object, or a tuple of objects that hold the
+    same function under that name) to ``make(current)``, unless the patch called ``patch``
+    is already among the replacements there; with ``renew``, a patch of that name on the
+    outside is made again from what it replaced (its arguments changed). Returns what is
+    in place."""
+    owners = owners if isinstance(owners, tuple) else (owners,)
+    current = getattr(owners[0], name)
+    marker = getattr(current, _PATCH, None)
+    if renew and marker is not None and marker[0] == patch:
+        current = marker[1]
+    elif patch in patches(current):
+        return current
+    replacement = make(current)
+    setattr(replacement, _PATCH, (patch, current))
+    for owner in owners:
+        setattr(owner, name, replacement)
+    return replacement
+
+
+def patches(value: Any) -> Iterator[str]:
+    """The names of tpunb's patches that ``value`` is, outermost first."""
+    while (marker := getattr(value, _PATCH, None)) is not None:
+        yield marker[0]
+        value = marker[1]
+
+
+def upstream(value: Any) -> Any:
+    """What ``value`` replaced, through all of tpunb's patches: the upstream function."""
+    while (marker := getattr(value, _PATCH, None)) is not None:
+        value = marker[1]
+    return value
