@@ -8,6 +8,7 @@ import warnings
 import pytest
 
 import tpunb
+from tpunb import live
 from tpunb.history import Step
 from tpunb.launcher import base, rank, supervisor
 from tpunb.launcher.messages import Raised, Returned, Steps
@@ -65,10 +66,20 @@ def _supervise(launcher):
     return supervisor.supervise(plan, launcher, hang_timeout=None, view="text")
 
 
-def test_records_reach_the_history_the_compile_watch_and_the_view(capsys):
+def test_records_reach_the_history_the_compile_watch_and_the_view(capsys, monkeypatch):
+    unjudged_at_close = []  # steps with compilations the final figure would draw unjudged
+
+    def close(view, failed):
+        compiled = {s.step for steps in view.history.steps.values() for s in steps if s.compiles}
+        unjudged_at_close.extend(sorted(compiled - set(view.history.verdicts)))
+        return text_close(view, failed)
+
+    text_close = live.TextView.close
+    monkeypatch.setattr(live.TextView, "close", close)
     with warnings.catch_warnings(record=True) as warned:
         warnings.simplefilter("always")
         results = _supervise(_Records(2))
+    assert unjudged_at_close == []
     assert list(results) == [0, 10]
     history = results.history
     for core in range(2):
@@ -89,11 +100,11 @@ def test_records_reach_the_history_the_compile_watch_and_the_view(capsys):
     assert sum(at.warmup for at in per_step) == summary.warmup_compiles == 3
     assert [at.step for at in per_step if at.compiles > at.warmup] == [STEPS]
     # The text view: a line at the epoch's end and one at the launch's, the loss the mean
-    # of the cores' last (0.1 and 1.1).
+    # of the cores' last (0.1 and 1.1), the rate the run's: 2 x 77 samples in 0.9 s.
     epoch, done = capsys.readouterr().out.splitlines()
     assert epoch == f"epoch 1: {STEPS} batches a core, loss 0.6"
     assert done.startswith(f"done: epoch 1, batch {STEPS}/{STEPS}, loss 0.6, ")
-    assert done.endswith(", 4 compilations, 0 s elapsed")
+    assert done.endswith(", 171 samples/s over the run, 4 compilations, 0 s elapsed")
 
 
 def test_a_ranks_error_is_the_launchs_outcome_with_the_rank_named():

@@ -129,10 +129,12 @@ class History:
         self._memory = {}  # rank -> its device's last measured memory (device_memory.Use)
         self._progress_of = {}  # rank -> (records, _training_steps of them)
         self.verdicts = {}  # step -> what its compilations were, as the compile watch judged
+        self._samples = 0  # all ranks' samples so far
 
     def add(self, rank: int, steps: Iterable[Step]) -> None:
         self.steps[rank].extend(steps)
         for step in steps:
+            self._samples += step.samples
             self._names.update(dict.fromkeys(step.values))
             self._last[rank].update(step.values)
             if step.memory is not None:
@@ -249,6 +251,11 @@ class History:
         told): from the tails only, cheap however long the run."""
         rates = [_rates(steps[-over - 1 :], over)[1] for steps in self.steps.values()]
         return sum(r[-1] for r in rates) if all(rates) else None
+
+    def mean_samples_per_second(self) -> float | None:
+        """All ranks' samples over the seconds from the launch's start to the last step:
+        the run's rate, its compilations and waits included (None before a sample)."""
+        return self._samples / self.seconds if self._samples and self.seconds else None
 
     def rows(self) -> list[dict[str, Any]]:
         """Every step of every rank as a plain dict (rank first), for pandas or a CSV."""

@@ -1,6 +1,6 @@
 """Where a launch stands, for the live view's progress line: epoch, batch, the mean of each
-logged value over the cores, samples/s, compilations and time to the end of the epoch,
-from the tails of the history only (cheap however long the run)."""
+logged value over the cores, samples/s (at the end: the run's mean), compilations and time
+to the end of the epoch, from the tails of the history only (cheap however long the run)."""
 
 import dataclasses
 
@@ -19,6 +19,7 @@ class Snapshot:
     compiles: int
     values: dict  # logged name -> mean over the ranks of their last value
     memory: tuple | None = None  # the fullest core's device memory (device_memory.Use)
+    mean_samples_per_second: float | None = None  # all cores, over the whole run
 
     @classmethod
     def of(cls, history, compiles, elapsed):
@@ -44,6 +45,7 @@ class Snapshot:
             max(
                 history.device_memory().values(), key=lambda use: use.used / use.limit, default=None
             ),
+            history.mean_samples_per_second(),
         )
 
     def parts(self, final=False):
@@ -55,7 +57,9 @@ class Snapshot:
         else:  # steps count syncs, epoch boundaries included: second best
             parts.append(f"step {self.steps}")
         parts += [f"{name} {value:.4g}" for name, value in self.values.items()]
-        if self.samples_per_second is not None:
+        if final and self.mean_samples_per_second is not None:  # the run's, for comparing runs
+            parts.append(f"{self.mean_samples_per_second:,.0f} samples/s over the run")
+        elif self.samples_per_second is not None:
             parts.append(f"{self.samples_per_second:,.0f} samples/s")
         parts.append(f"{self.compiles} compilations")
         if self.memory is not None:

@@ -108,6 +108,7 @@ class _Supervisor:
         self.failures = {}  # rank -> Raised
         self.hang = None
         self.ended = None  # the launcher's Ended message
+        self.last_warnings = []  # the compile watch's, on the steps judged at the end
         self.stopping = False
 
     def run(self):
@@ -127,6 +128,10 @@ class _Supervisor:
                 thread.join(5)
                 self.job.channel.finish()
                 self._read_inbox()
+                # The steps no later one completed are judged now: the final figure draws
+                # every step's compilations as the summary counts them.
+                self.last_warnings = self.compile_watch.finish()
+                self.history.judge(self.compile_watch.take_verdicts())
                 self.view.close(failed=not self._succeeded())
         try:
             return self._outcome()
@@ -248,9 +253,8 @@ class _Supervisor:
                 simulated=self.plan.simulated,
                 launcher_error=self.ended.error if self.ended else None,
             )
-        self._warn(self.compile_watch.finish())
+        self._warn(self.last_warnings)
         self._warn(self.calls.check(final=True)[0])  # calls made since the last check
-        self.history.judge(self.compile_watch.take_verdicts())
         return LaunchResults(
             [pickle.loads(self.results[r]) for r in expected],
             self.history,
