@@ -65,14 +65,14 @@ def run(key, rank, work=None):
         work = functools.partial(_call_function, job)
     job.heartbeat.enter(rank)
     reports_compiles = job.compile_reporters.setdefault(os.getpid(), rank) == rank
-    steps = recorder.Recorder(
+    recording = recorder.Recorder(
         rank,
         job.channel,
         job.start,
         job.heartbeat if reports_compiles else None,
         job.ledger if job.cores > 1 else None,
     )
-    recorder.enter(steps)
+    recorder.enter(recording)
     try:
         try:
             try:
@@ -80,14 +80,14 @@ def run(key, rank, work=None):
                 job.ledger.returned(rank)
             finally:
                 job.heartbeat.function_returned(rank)
-            steps.finish()
+            recording.finish()
         except BaseException as error:  # noqa: BLE001 - everything goes back to the notebook
             # The traceback starts in the user's function, not in this module.
             frames = error.__traceback__
             while frames is not None and frames.tb_frame.f_globals.get("__name__") == __name__:
                 frames = frames.tb_next
             remote = program_lines.formatted_traceback(error, frames)
-            steps.flush_finished_steps()  # the history up to the error, for the plots
+            recording.flush_finished_steps()  # the history up to the error, for the plots
             # Stopped by another rank's end, or by calls that differ: the simulation's checks;
             # the launch's own ledger names the cause (ledger.py).
             stopped = isinstance(error, (RankEnded, CollectiveMismatch))
