@@ -269,6 +269,7 @@ def test_one_core_is_refused_before_it_starts_the_runtime_in_the_notebook(cores8
         tpunb.lightning.trainer(devices=1)
 
 
+@pytest.mark.pair("colab", reason="Colab's TPU is the one-core one")
 def test_on_one_core_as_on_colab_the_rank_trains_in_a_child_and_the_kernel_can_launch_again(
     tmp_path,
 ):
@@ -333,6 +334,7 @@ print(XLAAccelerator.is_available(), XLAAccelerator.auto_device_count())
 """
 
 
+@pytest.mark.pair("colab", reason="a machine without a TPU answers alike on both pairs")
 def test_without_simulate_lightning_still_finds_no_tpu_here():
     result = run_python(
         "import tpunb, lightning\n"
