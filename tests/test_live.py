@@ -4,6 +4,7 @@ figure from a real kernel; redraws at a bounded rate however fast the steps come
 
 import base64
 import io
+import multiprocessing
 import re
 import time
 
@@ -108,14 +109,22 @@ def test_without_a_widget_front_end_a_line_an_epoch_then_a_last_line(cores8, cap
     assert "samples/s" in last and "compilations" in last
 
 
-def test_a_failed_launch_says_where_it_stopped(cores8, capsys):
+def test_a_failed_launch_says_where_it_stopped(cores8, capsys, monkeypatch):
+    # Every sync sends the steps finished before it, and rank 5 raises only once the other
+    # ranks have sent their epochs: their steps reach the notebook before its error does
+    # (one pipe, written in order).
+    monkeypatch.setattr(recorder, "FLUSH_SECONDS", 0.0)
+    others_done = multiprocessing.get_context("fork").Semaphore(0)
+
     def fails_in_epoch_2(rank, loader):
         for epoch in range(EPOCHS):
             for (x,) in tpunb.shard(loader):
                 tpunb.log(x=x.sum())
             if epoch == 1 and rank == 5:
-                time.sleep(2)  # the other ranks' steps reach the notebook meanwhile
+                for _ in range(7):
+                    others_done.acquire()
                 raise ValueError("rank 5 broke")
+        others_done.release()
 
     with pytest.raises(tpunb.RankError, match="rank 5 broke"):
         tpunb.launch(fails_in_epoch_2, _loader(), live="text")
