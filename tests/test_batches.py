@@ -1,5 +1,6 @@
 """Batch sizes across cores: the report, its warnings, and the conversions."""
 
+import re
 import statistics
 import warnings
 
@@ -126,3 +127,29 @@ def test_a_sweep_on_too_little_data_says_so(cores8):
     dataset = TensorDataset(torch.randn(40, 16), torch.randn(40, 1))
     with pytest.raises(tpunb.RankError, match="fewer samples than one batch on every core"):
         tpunb.sweep_batch_sizes(torch.nn.Linear(16, 1), dataset, [8], _mse, steps=1, warmup=1)
+
+
+def _memory_doubling_with_each_sample(model, batch):
+    """A step whose memory doubles with every sample of the batch: 2 ** (3 * batch) numbers.
+    From some size on, XLA cannot allocate it and says RESOURCE_EXHAUSTED, as a TPU does
+    when its HBM runs out (here XLA's CPU client, refused by the host)."""
+    inputs, targets = batch
+    # Kept on the model until the step's sync, as activations are kept for the backward pass.
+    model.kept = torch.ones(2 ** (3 * len(inputs)), device=inputs.device) * inputs.sum()
+    return torch.nn.functional.mse_loss(model(inputs), targets)
+
+
+def test_a_sweep_stops_at_the_first_size_that_runs_out_of_memory(cores8):
+    dataset = TensorDataset(torch.randn(512, 16), torch.randn(512, 1))
+    model = torch.nn.Linear(16, 1)
+    sweep = tpunb.sweep_batch_sizes(
+        model, dataset, [16, 2, 4, 14], _memory_doubling_with_each_sample, steps=2, warmup=1
+    )
+    assert [row.per_core_batch for row in sweep.rows] == [2, 4]  # 16 never tried
+    size, error = sweep.did_not_fit
+    assert size == 14 and error.startswith("RESOURCE_EXHAUSTED: Out of memory allocating")
+    assert re.search(r"batch 14 a core +does not fit in a core's memory: RESOURCE_EXH", str(sweep))
+    with pytest.raises(tpunb.TpunbError, match="smallest batch size, 14 a core, does not fit"):
+        tpunb.sweep_batch_sizes(
+            model, dataset, [14, 16], _memory_doubling_with_each_sample, steps=1, warmup=1
+        )

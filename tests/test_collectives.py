@@ -327,3 +327,25 @@ def test_distributed_data_parallel_training_equals_the_global_batch(cores8_each_
     states = tpunb.launch(_train_with_ddp, inputs, targets, model, optimizer)
     reference = in_forked_process(_train_on_one_device, inputs, targets, model, optimizer)
     _assert_same_parameters(states, reference)
+
+
+def _dropped_after_a_collective(rank):
+    import weakref
+
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+
+    x = torch.ones(4, device=torch_xla.device()) * rank
+    total = xm.all_reduce(xm.REDUCE_SUM, x)
+    torch_xla.sync()
+    kept = weakref.ref(x)
+    del x  # the program's only reference
+    return kept() is None, float(total[0])
+
+
+def test_a_tensor_the_program_drops_is_freed_after_a_collective_it_went_through(
+    cores8_each_layout,
+):
+    # A rank's collective call once kept its caller's frames, and with them every tensor
+    # of the call (those of a step that failed on the device too) until its next call.
+    assert tpunb.launch(_dropped_after_a_collective, live=False) == [(True, 28.0)] * 8

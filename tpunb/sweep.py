@@ -1,5 +1,6 @@
 """``sweep_batch_sizes``: a few training steps per candidate per-core batch size on every
-core, with the throughput each gives (and, on a TPU, the device memory it takes)."""
+core, with the throughput each gives (and, on a TPU, the device memory it takes), up to the
+first size that does not fit in a core's memory."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import warnings
 from typing import TYPE_CHECKING
 
 from tpunb import reports
-from tpunb.errors import TpunbWarning
+from tpunb.errors import TpunbError, TpunbWarning
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable, Iterator
@@ -51,6 +52,9 @@ class Sweep(reports.Report):
 
     rows: tuple
     simulated: bool = False
+    # The smallest size that ran out of a core's memory, and the device's error; larger
+    # sizes were not tried.
+    did_not_fit: tuple[int, str] | None = None
 
     def _content(self):
         rows = [
@@ -63,6 +67,9 @@ class Sweep(reports.Report):
             )
             for row in self.rows
         ]
+        if self.did_not_fit:
+            size, error = self.did_not_fit
+            rows.append((f"batch {size} a core", f"does not fit in a core's memory: {error}"))
         rounds = len(self.rows[0].rounds)
         notes = (
             [f"Each time is the median of {rounds} rounds over every batch size."]
@@ -128,22 +135,54 @@ def sweep_batch_sizes(
         # Each size is a new batch shape on purpose: the compile watch would warn about its
         # compilations (its other warnings, e.g. CPU fallbacks in loss_fn, still show).
         warnings.filterwarnings("ignore", r"(step \d+|epoch \d+, batch \d+) compiled", TpunbWarning)
-        timings = launch(
+        outcomes = launch(
             _sweep_on_every_core,
             *(model, dataset, sizes, loss_fn, optimizer, steps, warmup, rounds),
             live=False,
         )
-    cores = len(timings)
+    cores = len(outcomes)
+    timings = [timings for timings, _ in outcomes]
+    did_not_fit = next((fit for _, fit in outcomes if fit), None)
+    if did_not_fit and did_not_fit[0] == sizes[0]:
+        raise TpunbError(
+            f"The smallest batch size, {sizes[0]} a core, does not fit in a core's memory: "
+            f"{did_not_fit[1]}. Sweep smaller sizes, or make room: bf16 autocast, a smaller "
+            "model."
+        )
     rows = []
-    for i, size in enumerate(sizes):
+    for i, size in enumerate(sizes[: len(timings[0])]):
         # A round's step took as long as its slowest core (the all-reduce waits for it).
         per_round = tuple(max(t[i][r][0] for t in timings) for r in range(rounds))
         memory = timings[0][i][-1][1]
         rows.append(SweepRow(size, cores, statistics.median(per_round), memory, per_round))
-    return Sweep(tuple(rows), simulated=core_layout.available().simulated)
+    return Sweep(tuple(rows), core_layout.available().simulated, did_not_fit)
 
 
 def _sweep_on_every_core(rank, model, dataset, sizes, loss_fn, optimizer, steps, warmup, rounds):
+    import torch_xla
+
+    device = torch_xla.device()
+    timings = [[] for _ in sizes]
+    did_not_fit = None  # (size, error): the first size out of memory; no larger one is tried
+    for _ in range(rounds):
+        for i, size in enumerate(sizes):
+            if did_not_fit and size >= did_not_fit[0]:
+                break
+            try:
+                timings[i].append(
+                    _time_steps(model, dataset, size, loss_fn, optimizer, steps, warmup, device)
+                )
+            except RuntimeError as error:
+                if "RESOURCE_EXHAUSTED" not in str(error):
+                    raise
+                did_not_fit = (size, _first_line(error))
+                del timings[i:]
+                break
+    return timings, did_not_fit
+
+
+def _time_steps(model, dataset, size, loss_fn, optimizer, steps, warmup, device):
+    """Seconds a step at per-core batch ``size``, and the device's peak memory."""
     import copy
 
     import torch
@@ -153,31 +192,37 @@ def _sweep_on_every_core(rank, model, dataset, sizes, loss_fn, optimizer, steps,
 
     from tpunb.sampling import shard
 
-    device = torch_xla.device()
-    timings = [[] for _ in sizes]
-    for _ in range(rounds):
-        for i, size in enumerate(sizes):
-            replica = copy.deepcopy(model).to(device)
-            opt = (optimizer or (lambda params: torch.optim.SGD(params, lr=0.01)))(
-                replica.parameters()
-            )
-            batches = _forever(
-                shard(DataLoader(dataset, batch_size=size, shuffle=True, drop_last=True))
-            )
-            for step in range(warmup + steps):
-                if step == warmup:
-                    # Dispatch the pending step first: waiting on the devices while this
-                    # rank's all-reduce is still undispatched would wait for itself.
-                    torch_xla.sync()
-                    xm.wait_device_ops()
-                    start = time.perf_counter()
-                opt.zero_grad()
-                loss_fn(replica, next(batches)).backward()
-                xm.optimizer_step(opt)
+    replica = copy.deepcopy(model).to(device)
+    opt = (optimizer or (lambda params: torch.optim.SGD(params, lr=0.01)))(replica.parameters())
+    batches = _forever(shard(DataLoader(dataset, batch_size=size, shuffle=True, drop_last=True)))
+    loss = None
+    for step in range(warmup + steps):
+        if step == warmup:
+            # Dispatch the pending step first: waiting on the devices while this
+            # rank's all-reduce is still undispatched would wait for itself.
             torch_xla.sync()
             xm.wait_device_ops()
-            timings[i].append(((time.perf_counter() - start) / steps, _peak_memory(device)))
-    return timings
+            if loss is not None:
+                # An error the device met running the warm-up steps (RESOURCE_EXHAUSTED)
+                # is raised here, by reading their last loss: at the size it belongs to.
+                loss.item()
+            start = time.perf_counter()
+        opt.zero_grad()
+        loss = loss_fn(replica, next(batches))
+        loss.backward()
+        xm.optimizer_step(opt)
+    torch_xla.sync()
+    xm.wait_device_ops()
+    seconds = (time.perf_counter() - start) / steps
+    loss.item()  # the timed steps' own errors, likewise
+    return seconds, _peak_memory(device)
+
+
+def _first_line(error):
+    """The device's own words: "RESOURCE_EXHAUSTED: Out of memory allocating 4398046511104
+    bytes." with torch_xla's "Bad StatusOr access: " before it left off."""
+    text = str(error).strip().splitlines()[0]
+    return text[text.index("RESOURCE_EXHAUSTED") :]
 
 
 def _forever(sharded):

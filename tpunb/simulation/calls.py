@@ -27,9 +27,21 @@ class Caller:
 
     def __init__(self, frame):
         self.frame = frame
+        self.words = "called from a place no longer known"
+
+    def settle(self):
+        """Keeps the place in words: the frame is let go once the call is over."""
+        frame = self.frame
+        if frame is not None:
+            self.words = self._describe(frame)
 
     def __str__(self):
-        frame, entry = program_lines.program_frame(self.frame, program_lines.libraries())
+        frame = self.frame
+        return self.words if frame is None else self._describe(frame)
+
+    @staticmethod
+    def _describe(frame):
+        frame, entry = program_lines.program_frame(frame, program_lines.libraries())
         if frame is None:
             return "called inside torch_xla"
         code = frame.f_code

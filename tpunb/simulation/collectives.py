@@ -212,12 +212,21 @@ def _run_together(call):
     meeting = _round()
     rank = xr.global_ordinal()
     meeting.collectives[rank] += 1
-    meeting.calls[rank] = (call, Caller(sys._getframe()))
-    _wait_for_every_rank(meeting, rank)  # every rank has described its call
-    _check_same_call(meeting)
-    with _dispatch_lock:
-        _step_marker[0](device, [], wait=False, reset_scope=False)
-    _wait_for_every_rank(meeting, rank)
+    caller = Caller(sys._getframe())
+    meeting.calls[rank] = (call, caller)
+    try:
+        _wait_for_every_rank(meeting, rank)  # every rank has described its call
+        _check_same_call(meeting)
+        with _dispatch_lock:
+            _step_marker[0](device, [], wait=False, reset_scope=False)
+        _wait_for_every_rank(meeting, rank)
+    except BaseException:
+        caller.settle()  # another rank's error message may still name this call
+        raise
+    finally:
+        # The caller's frames hold the program's tensors: kept, they would outlive the
+        # step, and a failed step's outputs (out of memory) would fail every later sync.
+        caller.frame = None
     torch_xla._XLAC._set_all_reduce_token(device, None)
 
 
