@@ -2,9 +2,11 @@
 said to be unmeasured where it does not (XLA's CPU client), a warning near the limit, and
 an out-of-memory error explained with the core's last use."""
 
+import re
 import warnings
 
 import pytest
+import torch
 
 import tpunb
 from tpunb import device_memory
@@ -73,3 +75,22 @@ def test_simulated_cores_say_their_memory_is_not_measured(cores8):
 @pytest.mark.parametrize("fullness", [0.5, 0.89])
 def test_below_the_limit_nothing_is_said(fullness):
     assert device_memory.Watch().add(0, [_step(0, 16 * fullness)]) == []
+
+
+def _attends_to_a_million_positions(rank):
+    import torch_xla
+
+    keys = torch.ones(2**20, 16, device=torch_xla.device())
+    scores = keys @ keys.T  # 2**20 x 2**20 numbers: 4 TiB, which no device has
+    return scores.sum().item()
+
+
+def test_a_rank_out_of_device_memory_is_named_with_the_programs_line(cores8):
+    with pytest.raises(tpunb.RankError) as caught:
+        tpunb.launch(_attends_to_a_million_positions, live=False)
+    message = str(caught.value)
+    assert "RESOURCE_EXHAUSTED: Out of memory allocating" in message
+    assert "ran out of device memory (HBM). Its use was not measured (simulated cores" in message
+    # The traceback ends at the program's read, not in tpunb's wrapper around it.
+    frames = re.findall(r'File "(.+)", line \d+, in (\w+)', caught.value.remote_traceback)
+    assert frames[-1] == (__file__, "_attends_to_a_million_positions")

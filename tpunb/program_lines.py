@@ -45,6 +45,13 @@ def formatted_traceback(error, frames):
     notebook cell named as IPython's own tracebacks name it ("cell In[4]"), not by the
     temporary file the cell was compiled into."""
     summary = traceback.TracebackException(type(error), error, frames)
+    # tpunb's wrappers that pass a call on (to the loader, a sync, a read) hide themselves,
+    # as pytest's do: a local ``__tracebackhide__``. The program's line and torch's remain.
+    walked = traceback.walk_tb(frames)
+    hidden = [frame.f_locals.get("__tracebackhide__") for frame, _ in walked]
+    if len(hidden) == len(summary.stack):
+        shown = zip(summary.stack, hidden, strict=True)
+        summary.stack[:] = [frame for frame, hide in shown if not hide]
     _name_cells(summary, set())
     return list(summary.format())
 

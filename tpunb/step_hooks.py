@@ -113,6 +113,7 @@ class _Runtime:
         return getattr(self._bindings, name)
 
     def _xla_get_default_device(self):
+        __tracebackhide__ = True  # a rank's traceback shows torch_xla.sync(), not this
         caller = sys._getframe(2).f_globals.get("__name__", "")  # sync's caller
         _stack().append(caller)
         _run("before", caller)

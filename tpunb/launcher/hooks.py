@@ -60,6 +60,7 @@ def installed():
     xla_rendezvous = xm.xla_rendezvous
 
     def next_recorded(self):
+        __tracebackhide__ = True  # a rank's traceback shows the program's loop, not this
         batch = next_batch(self)
         recording = recorder.current()
         if recording is not None:

@@ -42,6 +42,7 @@ def excusing(function):
 
     @functools.wraps(function)
     def excused(*args, **kwargs):
+        __tracebackhide__ = True  # a rank's traceback shows the program's call, not this
         _thread.excused = getattr(_thread, "excused", 0) + 1
         with _excused_lock:
             if not _excusing.threads:  # threads' calls overlap: count their span once

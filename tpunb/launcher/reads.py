@@ -122,6 +122,7 @@ def _wrapped(torch, name, method, on_read, libraries):
             if where is not None:
                 on_read(kind, _READS[name], *where)
         _inside.depth = getattr(_inside, "depth", 0) + 1
+        __tracebackhide__ = True  # a rank's traceback shows the program's read, not this
         try:
             return method(self, *args, **kwargs)
         finally:
