@@ -120,8 +120,9 @@ def lost_error(missing, exits, rank_pids, simulated, launcher_error):
         reason = launcher_error
     else:
         reason = "they returned without a result"
+    who = f"Rank {missing[0]}" if len(missing) == 1 else f"Ranks {span(missing)}"
     return RankError(
-        f"Ranks {span(missing)} did not finish: {reason}.",
+        f"{who} did not finish: {reason}.",
         ranks=missing,
         signal=signals[0] if signals else None,
     )
