@@ -121,12 +121,9 @@ LAYOUT_VARIABLE = "TPUNB_SIMULATION_LAYOUT"
 def default_layout(cores):
     """The layout ``simulate`` takes when none is given: ``$TPUNB_SIMULATION_LAYOUT`` if set
     (``binder/start`` sets threads: Binder's share of CPUs is small), else a process a
-    core where the machine has a CPU for each, else one process of threads. Each process
-    compiles every graph it meets (the CPU client cannot load a compiled graph another
-    process wrote: torch_xla's persistent cache fails there with "Deserializing serialized
-    executable not supported"), so on fewer CPUs than cores the processes compile the same
-    graphs in turn: on 2 CPUs the tests took 1.6 times as long, an epoch of the small
-    workload 1.3 times (docs/simulation.md, "Which layout")."""
+    core where the machine has a CPU for each, else one process of threads: each process
+    compiles every graph it meets, so on fewer CPUs than cores the processes would compile
+    the same graphs in turn (what that costs: docs/simulation.md, "Which layout")."""
     chosen = os.environ.get(LAYOUT_VARIABLE)
     if chosen:
         if chosen not in LAYOUTS:

@@ -1,50 +1,14 @@
-"""Collectives between simulated CPU devices: each one a graph of its own, run together.
+"""Collectives between simulated CPU devices that are threads of one process (the threads
+layout): each collective call a graph of its own, run by every rank together.
 
-Used only under ``tpunb.simulate`` (never on a TPU). Upstream, collectives between
-threads on PJRT CPU devices hang (https://github.com/pytorch/xla/issues/5005,
-https://github.com/pytorch/xla/issues/9089). The mechanism: XLA's CPU runtime joins the
-ranks of a collective in a rendezvous whose key holds an ``op_id``, and torch_xla never
-gives its collectives a channel id, so the op id is the compiled module's unique id
-(``GetCollectiveOpParams`` in XLA's ``cpu/thunk_emitter.cc``), new for every compile. Ranks
-whose graphs differ in anything (a rank-dependent Python number, a shape, the work after
-the collective that a rank reads at once) run different modules, wait in different
-rendezvous, and XLA aborts the process after 10 s. On a TPU the same program works.
-
-So here every collective call is a graph of its own, built from device data:
-
-1. Cut before: what the rank traced before the collective runs first, as its own graph
-   (``_run_pending_work``). Rank-dependent work stays on its rank.
-2. Cut after: the collective's graph runs as soon as the call returns (``_run_together``),
-   so its result is device data. Work after it, and reads of its result before
-   ``torch_xla.sync()`` (which a TPU allows), are again the rank's own.
-
-The collective's graph is then the same on every rank that makes the same call, so the
-ranks run one compiled module and meet. Ranks that make different calls (other shapes,
-another collective) would never meet; they are stopped at once with a ``CollectiveMismatch``
-naming the ranks and their calls, instead of XLA's 10 s abort.
-
-Running the collective's graph together takes three more things (docs/simulation.md has
-the measurements):
-
-- torch_xla's thread pool has a thread for every replica (``XLA_THREAD_POOL_SIZE``, set by
-  ``simulate``), or the replicas beyond the pool size never arrive.
-- Only one replica compiles it; the others hit the compilation cache and so run the same
-  module (the dispatch lock). The cut before is dispatched under the lock too: without it,
-  1 run in 2 of a batch-size sweep aborted in rendezvous.
-- No rank waits for another while holding the GIL: a blocking call of one rank (seen after
-  ``model.to(device)`` in PyTorch Lightning's setup) could wait for a rank already held in
-  the rendezvous. So every rank waits at a barrier (``_Round.wait``, which releases the
-  GIL) before dispatching, and again after. A rank that has ended never arrives: the
-  others stop at once with ``RankEnded`` (rank_threads.py).
-
-Plus the synchronous PJRT CPU client (``PJRT_CPU_ASYNC_CLIENT=false``, set by
-``simulate``): with the asynchronous one, Adam's step still deadlocked in buffer release.
-
-Syncs of graphs without a collective take no barrier, so work done by one rank alone
-(printing, evaluation on rank 0) behaves as upstream. While the process compiles, they
-take the dispatch lock (``_compile_alone``): after a collective the ranks leave
-together, and each would compile the same new graph of the work after it (7 compilations
-too many in a launch's first steps). Once nothing compiles, they dispatch side by side.
+Used only under ``tpunb.simulate`` (never on a TPU). Upstream, collectives between threads
+on PJRT CPU devices hang (https://github.com/pytorch/xla/issues/5005,
+https://github.com/pytorch/xla/issues/9089): XLA's CPU runtime joins a collective's ranks
+only where they run the same compiled module. So what a rank traced before a collective
+runs first (``_run_pending_work``), the collective's graph runs as soon as the call returns
+(``_run_together``), and ranks whose calls differ raise ``CollectiveMismatch`` at once. The
+barriers, the dispatch lock and the runtime's settings this takes, each with the failure it
+fixes: docs/simulation.md, "One process of N threads".
 """
 
 import functools
