@@ -107,7 +107,6 @@ def watch_overhead(repeats):
         xmp.spawn(_timed, start_method="fork")
         return _TIMES.tolist()
 
-    warnings.simplefilter("ignore", tpunb.TpunbWarning)  # new buckets are expected here
     sides = {"bare xmp.spawn": bare, "tpunb.launch": lambda: tpunb.launch(train, BUCKETED)}
     for run in sides.values():  # warm-up
         run()
