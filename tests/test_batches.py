@@ -131,8 +131,8 @@ def test_a_sweep_on_too_little_data_says_so(cores8):
 
 def _memory_doubling_with_each_sample(model, batch):
     """A step whose memory doubles with every sample of the batch: 2 ** (3 * batch) numbers.
-    From some size on, XLA cannot allocate it and says RESOURCE_EXHAUSTED, as a TPU does
-    when its HBM runs out (here XLA's CPU client, refused by the host)."""
+    From some size on, XLA cannot allocate it and says so (RESOURCE_EXHAUSTED), as a TPU
+    does when its HBM runs out (here XLA's CPU client, refused by the host)."""
     inputs, targets = batch
     # Kept on the model until the step's sync, as activations are kept for the backward pass.
     model.kept = torch.ones(2 ** (3 * len(inputs)), device=inputs.device) * inputs.sum()
@@ -147,8 +147,8 @@ def test_a_sweep_stops_at_the_first_size_that_runs_out_of_memory(cores8):
     )
     assert [row.per_core_batch for row in sweep.rows] == [2, 4]  # 16 never tried
     size, error = sweep.did_not_fit
-    assert size == 14 and error.startswith("RESOURCE_EXHAUSTED: Out of memory allocating")
-    assert re.search(r"batch 14 a core +does not fit in a core's memory: RESOURCE_EXH", str(sweep))
+    assert size == 14 and "Out of memory allocating 1759" in error  # 2**42 floats
+    assert re.search(r"batch 14 a core +does not fit in a core's memory: .*Out of mem", str(sweep))
     with pytest.raises(tpunb.TpunbError, match="smallest batch size, 14 a core, does not fit"):
         tpunb.sweep_batch_sizes(
             model, dataset, [14, 16], _memory_doubling_with_each_sample, steps=1, warmup=1

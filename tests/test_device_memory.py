@@ -89,8 +89,19 @@ def test_a_rank_out_of_device_memory_is_named_with_the_programs_line(cores8):
     with pytest.raises(tpunb.RankError) as caught:
         tpunb.launch(_attends_to_a_million_positions, live=False)
     message = str(caught.value)
-    assert "RESOURCE_EXHAUSTED: Out of memory allocating" in message
+    assert "Out of memory allocating" in message  # 2.8 puts "RESOURCE_EXHAUSTED: " before
     assert "ran out of device memory (HBM). Its use was not measured (simulated cores" in message
     # The traceback ends at the program's read, not in tpunb's wrapper around it.
     frames = re.findall(r'File "(.+)", line \d+, in (\w+)', caught.value.remote_traceback)
     assert frames[-1] == (__file__, "_attends_to_a_million_positions")
+
+
+def test_out_of_memory_is_recognized_as_each_torch_xla_and_device_words_it():
+    said = [
+        "RESOURCE_EXHAUSTED: Out of memory allocating 4398046511104 bytes.",  # 2.8, the CPU
+        "Out of memory allocating 4398046511104 bytes.",  # 2.9 drops the status code
+        "XLA:TPU compile permanent error. Ran out of memory in memory space hbm. Used 20.5G",
+        "Error allocating device buffer: Attempting to allocate 20.5G. That was not possible.",
+    ]
+    assert all(device_memory.is_out_of_memory(text) for text in said)
+    assert not device_memory.is_out_of_memory("INVALID_ARGUMENT: shapes f32[4] and f32[5]")

@@ -10,10 +10,25 @@ with the core's last measured use."""
 
 from __future__ import annotations
 
+import re
 import typing
 
 NEAR_LIMIT = 0.9
 GiB = 2**30
+
+# How XLA says a device's memory ran out: "Out of memory allocating 4398046511104 bytes."
+# (a CPU client), "Ran out of memory in memory space hbm" (a TPU's compiler), "Attempting
+# to allocate 20.5G. That was not possible" (a TPU's runtime). torch_xla 2.8 puts the
+# status code before it ("RESOURCE_EXHAUSTED: "); 2.9 raises the message alone
+# (BuildStatusErrorMessage in torch_xla/csrc/status.cpp).
+_OUT_OF_MEMORY = re.compile(
+    r"RESOURCE_EXHAUSTED|[Oo]ut of memory|Attempting to allocate .* That was not possible"
+)
+
+
+def is_out_of_memory(error_text: str) -> bool:
+    """Whether a rank's error says its device ran out of memory."""
+    return _OUT_OF_MEMORY.search(error_text) is not None
 
 
 class Use(typing.NamedTuple):

@@ -10,7 +10,7 @@ import time
 import warnings
 from typing import TYPE_CHECKING
 
-from tpunb import reports
+from tpunb import device_memory, reports
 from tpunb.errors import TpunbError, TpunbWarning
 
 if TYPE_CHECKING:
@@ -173,7 +173,7 @@ def _sweep_on_every_core(rank, model, dataset, sizes, loss_fn, optimizer, steps,
                     _time_steps(model, dataset, size, loss_fn, optimizer, steps, warmup, device)
                 )
             except RuntimeError as error:
-                if "RESOURCE_EXHAUSTED" not in str(error):
+                if not device_memory.is_out_of_memory(str(error)):
                     raise
                 did_not_fit = (size, _first_line(error))
                 del timings[i:]
@@ -219,10 +219,9 @@ def _time_steps(model, dataset, size, loss_fn, optimizer, steps, warmup, device)
 
 
 def _first_line(error):
-    """The device's own words: "RESOURCE_EXHAUSTED: Out of memory allocating 4398046511104
-    bytes." with torch_xla's "Bad StatusOr access: " before it left off."""
-    text = str(error).strip().splitlines()[0]
-    return text[text.index("RESOURCE_EXHAUSTED") :]
+    """The device's own words ("Out of memory allocating 4398046511104 bytes."), without
+    the "Bad StatusOr access: " torch_xla 2.8 puts before them."""
+    return str(error).strip().splitlines()[0].removeprefix("Bad StatusOr access: ")
 
 
 def _forever(sharded):

@@ -77,7 +77,7 @@ def raised_error(failures, memory=None):
     failure = failures[first]
     others = failing[1:]
     message = f"rank {first} {failure.description}"
-    if "RESOURCE_EXHAUSTED" in failure.description:
+    if device_memory.is_out_of_memory(failure.description):
         cause = device_memory.out_of_memory(first, (memory or {}).get(first))
         message += f"\n\nLikely cause: {cause}"
     if others:
