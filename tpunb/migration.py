@@ -1,8 +1,9 @@
 """Spellings from older torch_xla and PyTorch Lightning tutorials, and the current ones.
 
-Pasted tutorials fail with errors that do not say what replaced the call (torch_xla 2.9
-removed ``xm.xrt_world_size``, ``xm.get_ordinal`` and ``xm.xrt_device_count``; Lightning 2.0 removed
-``Trainer(tpu_cores=...)``). Where tpunb sees such an error or argument, it adds the fix.
+Pasted tutorials fail with errors that do not say what replaced the call (torch_xla has
+removed ``xm.xrt_world_size``, ``xm.get_ordinal`` and ``xm.xrt_device_count``: 2.8 has none
+of them; Lightning 2.0 removed ``Trainer(tpu_cores=...)``). Where tpunb sees such an error
+or argument, it adds the fix.
 """
 
 # Removed torch_xla.core.xla_model names -> what to write instead.
