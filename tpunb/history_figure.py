@@ -161,7 +161,7 @@ def _draw_compiles(ax, history, _name):
     for bars, color, label in (
         (warmup, "tab:gray", "warm-up: the first steps compile the graphs"),
         (later, "tab:red", "later: a graph not seen before (new shape?)"),
-        (helper, "tab:cyan", "not a training step's: rendezvous, Lightning's, after the loop"),
+        (helper, "tab:cyan", "not a training step: rendezvous, Lightning's work, after the loop"),
     ):
         if bars:  # one bar a step that compiled: a few patches, however long the run
             x, n, bottom = zip(*bars, strict=True)
