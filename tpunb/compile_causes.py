@@ -48,8 +48,8 @@ def read(where, kind, what, file, line, waiting_steps):
     if kind == "cut":
         why = (
             "read a value the step had not computed yet. torch_xla ran the step's graph up "
-            "to that value there and runs the rest at the sync as another graph: two graphs "
-            "a step, and work done twice."
+            "to that value there, and at the sync runs the step's graph as another, the work "
+            "before the read included: two graphs a step, and work done twice."
         )
     else:
         why = (
