@@ -265,7 +265,10 @@ def main():
     processes, threads = epoch["processes", False], epoch["threads", False]
     serial, plain = epoch["serial", False], epoch["plain", False]
     one_cpu = {name: epoch[name, False] / epoch[name, True] for name in PINNED if name in sides}
-    print("8 simulated cores, one process a core (in brackets: one process of 8 threads)")
+    print(
+        "8 simulated cores in the default layout, a process a core as on a v5e-8 (in brackets: "
+        'layout="threads", one process of 8 threads)'
+    )
     if has_jax:
         jax = epoch["jax", False]
         _ratio("/ JAX's 8 host devices", processes / jax, threads / jax, "<= 2.0")

@@ -88,8 +88,8 @@ def restore_environment():
 
 @pytest.fixture
 def cores8():
-    """8 TPU cores simulated on the CPU with the real torch_xla, in the layout that
-    follows the machine (one process of threads on fewer than 8 CPUs)."""
+    """8 TPU cores simulated on the CPU with the real torch_xla, in the default layout: a
+    process a core, as on a TPU v5e-8."""
     tpunb.simulate(cores=8)
     return 8
 
@@ -153,4 +153,10 @@ def in_forked_process(fn, *args):
 
 
 def _pickled_call(fn, *args):
+    # One thread: this test process may have run torch's OpenMP threads (a comparison of
+    # large tensors), and a forked child hangs in its first parallel region with more
+    # (https://github.com/pytorch/pytorch/issues/17199).
+    import torch
+
+    torch.set_num_threads(1)
     return pickle.dumps(fn(*args))

@@ -1,5 +1,6 @@
 import importlib.metadata
 import os
+from html import escape
 
 import pytest
 from conftest import run_python
@@ -90,10 +91,13 @@ def test_report_without_simulation_says_how_to_simulate():
 
 
 @pytest.mark.parametrize(
-    "layout, processes, described",
-    [("processes", 8, "8 processes x 1 thread"), ("threads", 1, "1 process x 8 threads")],
+    "layout, processes, described, warned",
+    [
+        ("processes", 8, "8 processes x 1 thread: a process a core, as on a TPU v5e", False),
+        ("threads", 1, "1 process x 8 threads: the simulation's threads layout", True),
+    ],
 )
-def test_report_of_simulated_cores_as_text_and_html(layout, processes, described):
+def test_report_of_simulated_cores_as_text_and_html(layout, processes, described, warned):
     tpunb.simulate(cores=8, layout=layout)
     report = tpunb.env()
     assert (report.cores, report.processes, report.threads_per_process) == (
@@ -102,11 +106,13 @@ def test_report_of_simulated_cores_as_text_and_html(layout, processes, described
         8 // processes,
     )
     assert not report.runtime_started
-    assert not any("simulate" in w for w in report.warnings)
+    assert not any("No TPU here" in w for w in report.warnings)
+    # Threads share what a v5e-8's processes do not: said, with the way to the processes.
+    assert any("tpunb.simulate(cores=8) without layout=" in w for w in report.warnings) == warned
     text = str(report)
     assert "8 TPU cores simulated on the CPU" in text and described in text
     html = report._repr_html_()
-    assert "<table>" in html and described in html
+    assert "<table>" in html and escape(described) in html
 
 
 def test_kaggle_presets_are_flagged_where_a_tpu_would_read_them(tmp_path, monkeypatch, cores8):

@@ -118,17 +118,15 @@ def test_twenty_launches_failed_ones_among_them_leave_nothing_behind(cores8_proc
     assert set(os.listdir(SHARED_MEMORY)) == segments
 
 
-def test_the_default_layout_follows_the_machine_unless_the_variable_chooses(monkeypatch):
+def test_the_default_layout_is_a_v5e_8s_on_every_machine_unless_the_variable_chooses(
+    monkeypatch,
+):
     from tpunb import simulation
 
     monkeypatch.delenv(simulation.LAYOUT_VARIABLE, raising=False)
-    monkeypatch.setattr(simulation, "usable_cpus", lambda: 8)
-    assert simulation.default_layout(8) == "processes"
-    monkeypatch.setattr(simulation, "usable_cpus", lambda: 2)
-    assert simulation.default_layout(8) == "threads"
-    assert simulation.default_layout(2) == "processes"
-    monkeypatch.setenv(simulation.LAYOUT_VARIABLE, "processes")
-    assert simulation.default_layout(8) == "processes"
+    assert simulation.default_layout() == "processes"  # on this 2-CPU machine too
+    monkeypatch.setenv(simulation.LAYOUT_VARIABLE, "threads")
+    assert simulation.default_layout() == "threads"
     monkeypatch.setenv(simulation.LAYOUT_VARIABLE, "fibers")
     with pytest.raises(tpunb.TpunbError, match="TPUNB_SIMULATION_LAYOUT='fibers'"):
         tpunb.simulate(cores=8)

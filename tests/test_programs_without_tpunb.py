@@ -126,3 +126,23 @@ def test_plain_tests_of_tpu_code_run_on_the_simulated_cores(tmp_path):
     assert result.returncode == 0 and "1 passed" in result.stdout, result.stdout[-3000:]
     result = _pytest(["--tpunb-simulate=0", "test_tpu_code.py"], tmp_path)
     assert result.returncode == 4 and "--tpunb-simulate=0" in result.stderr, result.stderr
+
+
+# Both layouts on Colab's pair: torch_xla 2.9 lowers dist.send and dist.recv to a
+# collective_permute of one pair; 2.8's raise NotImplementedError (make_send_channel_id),
+# on a TPU too.
+@pytest.mark.pair("colab", reason="torch.distributed's send and recv are torch_xla 2.9's")
+@pytest.mark.parametrize("simulated_layout", ["processes", "threads"])
+def test_send_and_recv_through_torch_distributed_pair_the_ranks_they_name(simulated_layout):
+    script = os.path.join(THIRD_PARTY, "point_to_point.py")
+    command = ["-m", "tpunb.simulate", "--cores", "4", "--layout", simulated_layout, script]
+    result, _ = _run(command)
+    assert result.returncode == 0, result.stderr[-3000:]
+    said = sorted(line for line in result.stdout.splitlines() if line.startswith("rank "))
+    assert said == [f"rank {rank}: pipeline right, ring right" for rank in range(4)]
+    # A real divergence is still named: rank 1 receives a shape rank 0 did not send.
+    result, _ = _run([*command, "--mismatch"])
+    assert result.returncode == 1
+    assert "Ranks 0 and 1 cannot pair up: rank 0 sent collective_permute(float32[2, 4]" in (
+        result.stderr
+    ), result.stderr[-3000:]

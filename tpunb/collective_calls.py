@@ -18,6 +18,13 @@ def describe(name, args, kwargs, shown=None):
     return f"{name.lstrip('_').replace('xla_', '', 1)}({', '.join(parts)})"
 
 
+def among_some(pairs, world_size):
+    """Whether a ``collective_permute`` with ``pairs`` leaves out some of the ``world_size``
+    ranks: then only the ranks its pairs name make the call, each pair its own (what
+    torch.distributed's ``send`` and ``recv`` lower to on the XLA backend)."""
+    return {rank for pair in pairs for rank in pair} != set(range(world_size))
+
+
 def key(name, args, kwargs):
     """What tells calls apart, to compare between forked ranks (one hash seed, one address
     for each dtype): the name, every tensor's dtype and shape, the other arguments."""

@@ -62,12 +62,22 @@ class Environment(reports.Report):
             ("platform", self.platform),
             ("accelerator", self.accelerator),
             ("cores", str(self.cores)),
-            ("launch layout", self.layout.describe() if self.layout else "-"),
+            ("launch layout", self._layout_text()),
             ("XLA runtime started here", "yes" if self.runtime_started else "no"),
             ("python", self.python),
             ("torch", self.torch or "not installed"),
             ("torch_xla", self.torch_xla or "not installed"),
         ]
+
+    def _layout_text(self):
+        if self.layout is None:
+            return "-"
+        text = self.layout.describe()
+        if not self.layout.simulated:
+            return text
+        if self.layout.ranks_per_process == 1:
+            return f"{text}: a process a core, as on a TPU v5e"
+        return f"{text}: the simulation's threads layout (a TPU v5e runs a process a core)"
 
     def _content(self):
         return "tpunb environment", self._rows(), self.warnings
@@ -116,7 +126,16 @@ def _warnings(report):
             "simulate them on the host's CPU instead of the TPU (far slower): "
             "tpunb.simulate(cores=8, instead_of_tpu=True)."
         )
-    if report.threads_per_process > 1:
+    if report.threads_per_process > 1 and report.simulated_cores:
+        yield (
+            f"The {report.cores} simulated cores run as threads of one process "
+            "(layout='threads'): they share its objects, torch's random number generator and "
+            "torch_xla's counters, where each rank of a TPU v5e-8 has its own process. "
+            "Build the model before the launch and in each rank take copy.deepcopy(model) "
+            f"before .to(device); tpunb.simulate(cores={report.cores}) without layout= runs "
+            "a process a core."
+        )
+    elif report.threads_per_process > 1:
         yield (
             f"{report.threads_per_process} ranks run as threads of each process, so they share "
             "its objects and torch's random number generator: build the model before the "

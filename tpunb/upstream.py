@@ -66,6 +66,7 @@ SIMULATION = {
         "_xla_get_default_device",
         "_xla_get_cpu_tensors",
         "_xla_tensors_from_aten",
+        "_replace_xla_tensor",  # host_collectives.py: the out= forms
         "_xla_counter_value",
     ),
     "torch_xla.core.xla_model": ("_get_all_reduce_token",),  # functional_collectives.py

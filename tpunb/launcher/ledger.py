@@ -10,9 +10,10 @@ somewhere else). For the duration of a launch, torch_xla's collectives (``xm.all
 ``xm.mesh_reduce``, torch.distributed's XLA backend) are wrapped: each outermost call is
 written, before it runs, to memory shared with the notebook (its words, a key that tells
 calls apart, the program's file and line, the rank's batch or step).
-Point-to-point ``xm.send``/``xm.recv`` are not recorded: two ranks make different calls
-there by design. Calls inside a ``torch.compile``d function are not either: dynamo traces
-them, once.
+Point-to-point ``xm.send``/``xm.recv``, and ``collective_permute`` among some ranks (what
+torch.distributed's ``send`` and ``recv`` lower to), are not recorded: two ranks make
+different calls there by design. Calls inside a ``torch.compile``d function are not
+either: dynamo traces them, once.
 
 In the notebook, ``Watch.check`` compares the ranks' calls position by position: other
 calls at the same position (kind, shapes, dtypes, groups) are a divergence, and so is a
@@ -247,7 +248,7 @@ def recorded(on_call):
         def call(*args, **kwargs):
             if torch.compiler.is_compiling():  # dynamo traces the collective alone
                 return collective(*args, **kwargs)
-            if getattr(_inside, "depth", 0) == 0:
+            if getattr(_inside, "depth", 0) == 0 and not _point_to_point(name, args, kwargs):
                 on_call(name, args, kwargs, sys._getframe(1))
             _inside.depth = getattr(_inside, "depth", 0) + 1
             try:
@@ -267,6 +268,18 @@ def recorded(on_call):
     finally:
         for name, collective in saved.items():
             setattr(xm, name, collective)
+
+
+def _point_to_point(name, args, kwargs):
+    """A ``collective_permute`` whose pairs leave out some rank: torch.distributed's
+    ``send`` and ``recv`` (one pair each), which only the pair's two ranks make, each a
+    different one."""
+    if name != "collective_permute":
+        return False
+    import torch_xla.runtime as xr
+
+    pairs = kwargs.get("pairs", args[1] if len(args) > 1 else ())
+    return collective_calls.among_some(pairs, xr.world_size())
 
 
 def divergence_error(divergence):

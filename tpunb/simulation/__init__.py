@@ -46,8 +46,9 @@ def simulate(
 
     ``layout="processes"`` runs each core's rank in a process of its own, as a TPU v5e-8
     does (each rank sees its own ``xla:0``, metrics and random generator);
-    ``layout="threads"`` runs every rank as a thread of one process. ``None`` follows the
-    machine (``default_layout``).
+    ``layout="threads"`` runs every rank as a thread of one process, faster on fewer CPUs than
+    cores where a program does not depend on what differs (docs/simulation.md). ``None``
+    takes ``$TPUNB_SIMULATION_LAYOUT``, else the processes (``default_layout``).
 
     torch_xla's runtime gets its CPU client with ``cores`` devices, while what Python asks
     about the hardware answers a TPU v5e (``tpu_answers.py``), and collectives between the
@@ -60,7 +61,7 @@ def simulate(
     e.g. to watch 8 cores on Colab's one-core TPU. A new kernel uses the TPU again.
     """
     count = check_count(cores, "simulate(cores=...)", "cores", 8)
-    layout = default_layout(count) if layout is None else layout
+    layout = default_layout() if layout is None else layout
     if layout not in LAYOUTS:
         raise TpunbError(
             f"simulate(layout={layout!r}): the layout is 'processes' (one process a core, as "
@@ -118,35 +119,22 @@ def simulate(
 LAYOUT_VARIABLE = "TPUNB_SIMULATION_LAYOUT"
 
 
-def default_layout(cores):
-    """The layout ``simulate`` takes when none is given: ``$TPUNB_SIMULATION_LAYOUT`` if set
-    (``binder/start`` sets threads: Binder's share of CPUs is small), else a process a
-    core where the machine has a CPU for each, else one process of threads: each process
-    compiles every graph it meets, so on fewer CPUs than cores the processes would compile
-    the same graphs in turn (what that costs: docs/simulation.md, "Which layout")."""
+def default_layout():
+    """The layout ``simulate`` takes when none is given: ``$TPUNB_SIMULATION_LAYOUT`` if set,
+    else a process a core, as on Kaggle's TPU v5e-8, on every machine. The threads are
+    faster where there are fewer CPUs than cores (each process compiles every graph it
+    meets) and differ from a v5e-8 in what docs/simulation.md's table lists: a choice, never
+    a default."""
     chosen = os.environ.get(LAYOUT_VARIABLE)
     if chosen:
         if chosen not in LAYOUTS:
             raise TpunbError(
-                f"{LAYOUT_VARIABLE}={chosen!r}: the layout is 'processes' or 'threads' (or "
-                "unset it to follow the machine)."
+                f"{LAYOUT_VARIABLE}={chosen!r}: the layout is 'processes' (one process a "
+                "core, as on a TPU v5e-8) or 'threads' (every core a thread of one process); "
+                "unset it for the processes."
             )
         return chosen
-    return "processes" if usable_cpus() >= cores else "threads"
-
-
-def usable_cpus():
-    """The CPUs this process may use: those it may run on, fewer if its cgroup's CPU quota
-    (cgroup v2 ``cpu.max``, as containers and Binder set it) is smaller."""
-    cpus = len(os.sched_getaffinity(0))
-    try:
-        with open("/sys/fs/cgroup/cpu.max") as limit:
-            quota, period = limit.read().split()
-    except (OSError, ValueError):
-        return cpus
-    if quota == "max":
-        return cpus
-    return max(1, min(cpus, int(quota) // int(period)))
+    return "processes"
 
 
 def _install_threads():

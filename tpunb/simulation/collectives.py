@@ -56,6 +56,7 @@ class _Round:
         self.collectives = [0] * ranks
         self.steps = [1] * ranks
         self.ended = {}  # rank -> the exception that ended it, or None if it returned
+        self.gone = set()  # every rank that has ended, those stopped by an ended one too
         self._arrived = 0
         self._passes = 0  # how many times every rank has arrived
         self._condition = threading.Condition()
@@ -79,6 +80,7 @@ class _Round:
 
     def end(self, rank, error):
         with self._condition:
+            self.gone.add(rank)
             if self.ended and isinstance(error, RankEnded):
                 return  # stopped by an ended rank: the first one stays the cause
             self.ended.setdefault(rank, error)
@@ -219,6 +221,21 @@ def rank_ended(error):
         _dispatch_lock.release()
     if cores.in_rank():
         _round().end(xr.global_ordinal(), error)
+
+
+def how_ended(rank):
+    """None while ``rank`` of this process's launch runs; once it has ended, how ("returned",
+    "raised ...", "was stopped by rank N's end") and the exception of the rank that ended
+    first (None if it returned)."""
+    meeting = _round()
+    with meeting._condition:
+        if rank not in meeting.gone:
+            return None
+        first, cause = next(iter(meeting.ended.items()))
+        if rank not in meeting.ended:
+            return f"was stopped by rank {first}'s end", cause
+        error = meeting.ended[rank]
+        return ("returned" if error is None else f"raised {type(error).__name__}"), cause
 
 
 def _check_same_call(meeting):

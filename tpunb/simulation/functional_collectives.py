@@ -102,8 +102,13 @@ def _collective(placeholder_shape):
     placeholder of ``placeholder_shape(input, *args)``."""
 
     def decorate(collective):
+        counter = f"xla::{collective.__name__}"  # as torch_xla's C++ kernel counts itself
+
         @functools.wraps(collective)
         def kernel(tensor, *args):
+            import torch_xla
+
+            torch_xla._XLAC._xla_increment_counter(counter, 1)
             if getattr(_extraction, "depth", 0) == 0:
                 return collective(tensor, *args)
             if not getattr(_extraction, "collecting", 0):

@@ -42,6 +42,19 @@ _REDUCE = {
     xm.REDUCE_MIN: torch.minimum,
     xm.REDUCE_MAX: torch.maximum,
 }
+# The counters torch_xla's C++ primitives count as they trace (each binding's
+# TORCH_LAZY_FN_COUNTER_TIMED_TRACING("xla::") in
+# https://github.com/pytorch/xla/blob/v2.9.0/torch_xla/csrc/init_python_bindings.cpp), which
+# programs and torch_xla's tests look for in met.counter_names(): counted here too.
+_COUNTERS = {
+    "_xla_all_reduce_inplace": "xla::AllReduceInPlace",
+    "_xla_all_reduce": "xla::AllReduce",
+    "_xla_reduce_scatter": "xla::ReduceScatter",
+    "_xla_reduce_scatter_out": "xla::ReduceScatterOut",
+    "_xla_all_gather": "xla::AllGather",
+    "_xla_all_gather_out": "xla::AllGatherOut",
+    "_xla_all_to_all": "xla::AllToAll",
+}
 _rank = {"exchange": None, "steps": 1, "collectives": 0}  # this rank process's
 _original = {}
 _signature = {}  # xm.all_reduce's, read once: its calls are bound to it at every step
@@ -92,6 +105,8 @@ def _in_ranks(name, implementation, original):
 # passes the call on, aborted in XLA's rendezvous (reduce_scatter, all_to_all).
 @torch._dynamo.disable
 def _on_the_host(name, implementation, args, kwargs):
+    if name in _COUNTERS:
+        torch_xla._XLAC._xla_increment_counter(_COUNTERS[name], 1)
     if _rank.get("call") is None:  # as the threads layout describes it (collectives.py)
         _rank["call"] = describe(name, args, kwargs)
     try:
@@ -193,9 +208,19 @@ def _to_device(tensors):
 @torch.no_grad()
 def _write(outputs, results):
     """Each of ``outputs`` holds its result, in place (through torch's ``copy_``, so views,
-    aliases and a parameter's version counter see it), from one transfer."""
+    aliases and a parameter's version counter see it), from one transfer: the in-place
+    forms (``_xla_all_reduce_inplace``), whose XLA op writes into its inputs."""
     for output, result in zip(outputs, _to_device(results), strict=True):
         output.copy_(result)
+
+
+def _become(outputs, results):
+    """Each of ``outputs`` becomes its result, whatever its shape was, from one transfer: the
+    ``out=`` forms, whose XLA op gives the output the collective's value
+    (``XLATensor::SetIrValue`` in tensor_methods.cpp, e.g. a full-size output of
+    ``xm.reduce_scatter(..., output=[...])`` holds its shard after the call)."""
+    for output, result in zip(outputs, _to_device(results), strict=True):
+        torch_xla._XLAC._replace_xla_tensor(output, result)
 
 
 def _each(inputs, shared, group, compute):
@@ -228,7 +253,7 @@ def all_gather(input, dim, shard_count, groups, pin_layout, channel_id=None, ids
 
 
 def all_gather_out(output, input, token, dim, shard_count, groups, pin_layout):
-    _write([output], _gathered([input], dim, groups))
+    _become([output], _gathered([input], dim, groups))
     return token
 
 
@@ -237,7 +262,7 @@ def all_gather_coalesced(tensors, token, dim, shard_count, groups, pin_layout):
 
 
 def all_gather_coalesced_out(outputs, inputs, token, dim, shard_count, groups, pin_layout):
-    _write(outputs, _gathered(inputs, dim, groups))
+    _become(outputs, _gathered(inputs, dim, groups))
     return token
 
 
@@ -259,7 +284,7 @@ def reduce_scatter(reduce_type, input, token, scale, dim, shard_count, groups, p
 
 
 def reduce_scatter_out(reduce_type, output, input, token, scale, dim, shard_count, groups, pin):
-    _write([output], _scattered(reduce_type, [input], scale, dim, shard_count, groups))
+    _become([output], _scattered(reduce_type, [input], scale, dim, shard_count, groups))
     return token
 
 
@@ -270,7 +295,7 @@ def reduce_scatter_coalesced(reduce_type, inputs, token, scale, dim, shard_count
 def reduce_scatter_coalesced_out(
     reduce_type, outputs, inputs, token, scale, dim, shard_count, groups, pin
 ):
-    _write(outputs, _scattered(reduce_type, inputs, scale, dim, shard_count, groups))
+    _become(outputs, _scattered(reduce_type, inputs, scale, dim, shard_count, groups))
     return token
 
 

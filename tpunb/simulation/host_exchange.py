@@ -70,6 +70,14 @@ def _untracked(name, create=False, size=0):
             resource_tracker.register = register
 
 
+def _unlink(name):
+    """Removes a segment of the meeting's. Not ``SharedMemory.unlink``: before Python 3.13
+    it tells the resource tracker to forget a segment it was never told of, and the tracker
+    prints a ``KeyError`` traceback for each (``resource_tracker.unregister``)."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(os.path.join(_SHM_DIRECTORY, name))
+
+
 class Meeting:
     """The launching process's side: where ``ranks`` processes meet, for one launch."""
 
@@ -106,8 +114,7 @@ class Meeting:
         self.directory.close()
         for name in os.listdir(_SHM_DIRECTORY):
             if name.startswith(self.prefix):
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(os.path.join(_SHM_DIRECTORY, name))
+                _unlink(name)
         del self.store
 
 
@@ -178,7 +185,7 @@ class Exchange:
         if own is None or own.size < size:
             if own is not None:
                 own.close()
-                own.unlink()
+                _unlink(own.name)
             generation += 1
             own = _untracked(
                 self._name(self.rank, segment, generation), create=True, size=max(size, 4096) * 2
@@ -239,13 +246,18 @@ class Exchange:
         number = self.store.add(f"box-{box}-posted", 1)
         self.store.set(f"box-{box}-{number}", payload)
 
-    def take(self, box):
-        """The first payload in the mailbox ``box`` that no rank has taken (waits for it)."""
+    def take(self, box, source=None):
+        """The first payload in the mailbox ``box`` that no rank has taken (waits for it).
+        The wait is hopeless once the rank ``source`` has ended, or, if any rank may send
+        (None), once every other rank has."""
         key = f"box-{box}-{self.store.add(f'box-{box}-taken', 1)}"
+        senders = [rank for rank in range(self.ranks) if rank != self.rank]
+        if source is not None:
+            senders = [source]
         while not self.store.check([key]):
-            # A sender may be any rank: the wait is hopeless once every other rank has ended.
-            others = [rank for rank in range(self.ranks) if rank != self.rank]
-            if all(_state(self.directory, rank)[2] for rank in others):
+            if all(_state(self.directory, rank)[2] for rank in senders):
+                if self.store.check([key]):  # posted just before it ended
+                    break
                 self._raise_the_ended()
             time.sleep(_POLL)
         payload = self.store.get(key)

@@ -1,56 +1,67 @@
-"""``xm.send`` and ``xm.recv`` between simulated cores, carried through host memory.
+"""Point-to-point between simulated cores, carried through host memory: ``xm.send`` and
+``xm.recv``, and a ``collective_permute`` whose pairs name only some of the ranks, which is
+what torch.distributed's ``send`` and ``recv`` lower to on the XLA backend (one pair,
+``[[sender, receiver]]``, each sender and its receiver making the call, the other ranks
+none: ``ProcessGroupXla.send`` in
+https://github.com/pytorch/xla/blob/v2.9.0/torch_xla/distributed/xla_backend.py).
 
 Used only under ``tpunb.simulate``. A send and its recv are made by two different ranks,
 so they never form the same graph, and XLA's CPU backend has no Send or Recv at all (its
-``ThunkEmitter`` emits neither). So a send puts its value in a mailbox named by the channel
-id and the recv with that channel id takes it from there, in the order sent: the values a
-TPU would carry, without the XLA op. On the threads the mailboxes are in the process's
-memory; on the processes in the meeting's store (host_exchange.py).
+``ThunkEmitter`` emits neither). So a send puts its value in a mailbox and the receiver
+takes it from there, in the order sent: the values a TPU would carry, without the XLA op.
+On the threads the mailboxes are in the process's memory; on the processes in the
+meeting's store (host_exchange.py). A permute among some ranks pairs each receiver with
+its source by the pair they both name; a receiver whose call differs from its source's
+(another shape or dtype) raises ``CollectiveMismatch`` naming both.
 """
 
 import collections
 import functools
 import io
+import sys
 import threading
 
 import torch
+import torch_xla
 import torch_xla.core.xla_model as xm
+import torch_xla.runtime as xr
 
+from tpunb import cores, patching
+from tpunb.collective_calls import among_some, describe
+from tpunb.errors import CollectiveMismatch, RankEnded
 from tpunb.simulation import host_collectives
+from tpunb.simulation.calls import Caller, unmatched
 
 _mailboxes = collections.defaultdict(collections.deque)
 _arrived = threading.Condition()
+_POLL = 0.05  # seconds between a receiver's looks at whether its sender has ended
 
 
 def install():
     xm.send, xm.recv = send, recv
+    patching.replace(torch_xla._XLAC, "_xla_collective_permute", "among some", _among_some_of)
+
+
+def _among_some_of(permute):
+    @functools.wraps(permute)
+    def collective_permute(input, token, pairs):
+        if cores.in_rank() and among_some(pairs, xr.world_size()):
+            return permute_among_some(input, token, pairs)
+        return permute(input, token, pairs)
+
+    return collective_permute
 
 
 def send(value: torch.Tensor, channel_id: int) -> torch.Tensor:
     """``xm.send``: the recv with ``channel_id`` on another rank gets ``value``."""
-    copy = value.detach().cpu()  # runs what the rank traced for it
-    exchange = host_collectives.exchange()
-    if exchange is not None:
-        buffer = io.BytesIO()
-        torch.save(copy, buffer)
-        exchange.post(channel_id, buffer.getvalue())
-        return value
-    with _arrived:
-        _mailboxes[channel_id].append(copy)
-        _arrived.notify_all()
+    _post(channel_id, value.detach().cpu())  # runs what the rank traced for it
     return value
 
 
 def recv(output: torch.Tensor, channel_id: int) -> torch.Tensor:
     """``xm.recv``: a tensor shaped like ``output`` holding what the send with
     ``channel_id`` sent (waits for it)."""
-    exchange = host_collectives.exchange()
-    if exchange is not None:
-        value = torch.load(io.BytesIO(exchange.take(channel_id)))
-    else:
-        with _arrived:
-            _arrived.wait_for(functools.partial(bool, _mailboxes[channel_id]))
-            value = _mailboxes[channel_id].popleft()
+    value = _take(channel_id)
     if value.shape != output.shape or value.dtype != output.dtype:
         raise ValueError(
             f"xm.recv(output, channel_id={channel_id}): the send on this channel sent "
@@ -58,3 +69,69 @@ def recv(output: torch.Tensor, channel_id: int) -> torch.Tensor:
             f"{list(output.shape)}. Give recv an output of the shape and dtype sent."
         )
     return value.to(output.device)
+
+
+def permute_among_some(input, token, pairs):
+    """``torch_xla._XLAC._xla_collective_permute`` where its pairs leave out some rank: this rank
+    sends ``input`` to each rank it is the source of, and receives from its own source (or
+    gets zeros, as XLA gives a rank no pair targets)."""
+    rank = xr.global_ordinal()
+    call = describe("collective_permute", (input,), {"pairs": [list(p) for p in pairs]})
+    frame = sys._getframe(1)
+    data = input.detach().cpu()  # runs what the rank traced for it
+    for source, target in pairs:
+        if source == rank:
+            _post(f"permute-{source}-{target}", (call, data))
+    sources = [source for source, target in pairs if target == rank]
+    if not sources:
+        return torch.zeros_like(input), token
+    try:
+        sent, value = _take(f"permute-{sources[0]}-{rank}", sources[0])
+    except RankEnded as ended:
+        error = RankEnded(
+            f"{call} {Caller(frame)} can never complete: the rank that sends to it, rank "
+            f"{sources[0]}, will not ({ended}); on a TPU rank {rank} would wait forever.",
+            ended.cause,
+        )
+        raise unmatched(error) from ended.cause
+    if sent != call:
+        raise unmatched(
+            CollectiveMismatch(
+                f"Ranks {sources[0]} and {rank} cannot pair up: rank {sources[0]} sent "
+                f"{sent}, and rank {rank} received with {call} {Caller(frame)}. "
+                "torch.distributed's send and recv (and xm.collective_permute) need the same "
+                "pairs, shape and dtype on both sides (on a TPU these would wait forever)."
+            )
+        )
+    return value.to(input.device), token
+
+
+def _post(box, value):
+    exchange = host_collectives.exchange()
+    if exchange is not None:
+        buffer = io.BytesIO()
+        torch.save(value, buffer)
+        exchange.post(box, buffer.getvalue())
+        return
+    with _arrived:
+        _mailboxes[box].append(value)
+        _arrived.notify_all()
+
+
+def _take(box, source=None):
+    """The first value in the mailbox ``box`` (waits for it); raises ``RankEnded`` once
+    the rank ``source``, if given, has ended without sending it."""
+    exchange = host_collectives.exchange()
+    if exchange is not None:
+        return torch.load(io.BytesIO(exchange.take(box, source)), weights_only=False)
+    from tpunb.simulation import collectives  # the threads' ranks, as they end
+
+    with _arrived:
+        while not _mailboxes[box]:
+            ended = collectives.how_ended(source) if source is not None else None
+            if ended is not None:
+                error = RankEnded(f"rank {source} has ended (it {ended[0]})", ended[1])
+                error.how = ended[0]
+                raise error
+            _arrived.wait(_POLL)
+        return _mailboxes[box].popleft()

@@ -12,9 +12,10 @@ processes hold one chip each (``TPU_PROCESS_BOUNDS``, tpu_answers.py), so torch_
   device (``xla:0``), and torch_xla's world size and ordinal are set as a v5e-8 process's
   are (torch_xla reads them from its runtime only where the runtime is the TPU's, whose
   devices span the processes); ``xr.process_index()``, ``xr.process_count()`` and the
-  global device counts answer as there. torch's intra-op threads are the process's share
-  of the machine's CPUs. Then the rank joins the meeting, runs, and says when it ends, so
-  the ranks waiting for it at a collective stop with ``RankEnded`` (host_exchange.py).
+  global device counts answer as there. torch's intra-op threads are one (OpenMP's
+  threads hang in a process forked from one that ran them). Then the rank joins the
+  meeting, runs, and says when it ends, so the ranks waiting for it at a collective stop
+  with ``RankEnded`` (host_exchange.py).
 
 A rank process's metrics, counters, random generator, dynamo and torch.distributed state
 are its own, as on a TPU: nothing else is patched for them.
@@ -70,7 +71,11 @@ def _as_a_rank_process(run_threads):
 
         tpu_answers.runtime_reads_cpu()  # one CPU device: this process's chip
         xr._WORLD_SIZE, xr._ORDINAL = local_world_size, local_rank
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world_size))
+        # One intra-op thread: a forked process whose parent ran torch's OpenMP threads
+        # hangs in its first parallel region with more than one (libgomp is not fork-safe:
+        # https://github.com/pytorch/pytorch/issues/17199); a notebook that computed on the
+        # CPU before the launch has run them. The device's work runs on XLA's own threads.
+        torch.set_num_threads(1)
         exchange = host_exchange.Exchange(local_rank, local_world_size)
         host_collectives.start(exchange)
 

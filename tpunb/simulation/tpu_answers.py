@@ -10,7 +10,7 @@ autocast, programs gated on ``in ('TPU', ...)``), ``os.environ["PJRT_DEVICE"]``
 device counts). On the CPU they would all answer CPU, and such code would silently skip
 its work.
 
-The one variable both sides read is ``PJRT_DEVICE``: torch_xla's C++ runtime reads it once,
+The variable both sides read is ``PJRT_DEVICE``: torch_xla's C++ runtime reads it once,
 when it starts, to pick its client (``PjRtComputationClient::Initialize``), Python code at
 any time. The two read different copies: Python reads ``os.environ``, the runtime the
 process's C environment, which ``os.putenv`` alone changes. So ``os.environ`` says what a
@@ -20,6 +20,8 @@ C environment says ``PJRT_DEVICE=CPU``. ``CPU_NUM_DEVICES``, the number of CPU d
 runtime makes, is in both (no TPU program reads it). A program that sets
 ``os.environ["PJRT_DEVICE"] = "TPU"`` itself (many TPU notebooks do) keeps the runtime on
 the CPU, and every launched process sets the runtime's copy again before it starts.
+Options that only a TPU's runtime takes (``ENABLE_COLLECTIVE_MATMUL_IN_MP``) stay in
+``os.environ`` and out of the runtime's copy.
 
 What stays the CPU's: the runtime's own device names (``xm.xla_real_devices()``,
 ``torch_xla.real_devices()``: "CPU:0"), which torch_xla hands back to the runtime;
@@ -32,6 +34,13 @@ import functools
 import os
 
 _RUNTIME_DEVICE = "CPU"
+# What only a TPU's runtime can take, kept out of the runtime's copy: with
+# ENABLE_COLLECTIVE_MATMUL_IN_MP the runtime compiles every graph with TPU compiler options
+# (``PjRtComputationClient::Compile`` in
+# https://github.com/pytorch/xla/blob/v2.9.0/torch_xla/csrc/runtime/pjrt_computation_client.cpp),
+# which the CPU client refuses ("No such compile option: 'xla_tpu_decompose_all_gather_einsum'");
+# they change how a TPU computes a collective matmul, not what it computes.
+_TPU_RUNTIME_ONLY = ("ENABLE_COLLECTIVE_MATMUL_IN_MP",)
 _putenv = os.putenv
 _devices_per_process = None
 
@@ -78,13 +87,18 @@ def runtime_reads_cpu():
     """The C environment, which torch_xla's runtime reads as it starts, selects its CPU
     client with this process's devices. Called before a launched process starts it."""
     _putenv("PJRT_DEVICE", _RUNTIME_DEVICE)
+    for name in _TPU_RUNTIME_ONLY:
+        os.unsetenv(name)
     os.environ["CPU_NUM_DEVICES"] = str(_devices_per_process)
 
 
 def _runtime_stays_on_the_cpu(key, value):
     """``os.putenv``, through which every change of ``os.environ`` reaches the C
-    environment, less ``PJRT_DEVICE``: the runtime's copy stays the CPU's."""
+    environment, less ``PJRT_DEVICE`` and what only a TPU's runtime takes: the runtime's
+    copy stays the CPU's."""
     name = key.decode() if isinstance(key, bytes) else key
+    if name in _TPU_RUNTIME_ONLY:
+        return
     if name == "PJRT_DEVICE":
         value = _RUNTIME_DEVICE
     _putenv(key, value)
