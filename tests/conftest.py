@@ -33,10 +33,9 @@ ROOT = pathlib.Path(__file__).parent.parent
 # core, as on Colab's v5e-1 or v6e-1 (test_lessons_on_one_core.py); a test marked
 # ``@pytest.mark.pair("colab")`` or ``("kaggle")`` on that pair only; a test run in each
 # simulation layout (``cores8_each_layout``, or a ``layout`` parameter) in both layouts on
-# Kaggle's pair, in the process layout (a laptop's, Colab's host's) on Colab's, where the
-# ``cores8`` tests run the machine's default layout. With another torch_xla, everything
-# runs. (The hook sees the notebooks' items too: it runs for the
-# whole collection.)
+# Kaggle's pair, in the process layout (the default, a v5e-8's) on Colab's, where the
+# ``cores8`` tests run the default layout too. With another torch_xla, everything runs.
+# (The hook sees the notebooks' items too: it runs for the whole collection.)
 _PAIRS = {"2.9": "colab", "2.8": "kaggle"}
 
 

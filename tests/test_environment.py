@@ -1,5 +1,7 @@
 import importlib.metadata
 import os
+import subprocess
+import sys
 from html import escape
 
 import pytest
@@ -75,6 +77,21 @@ def test_platform_is_read_from_the_environment(monkeypatch, variable, expected):
     assert platform.name() == "script"
     monkeypatch.setenv(variable, "1")
     assert platform.name() == expected
+
+
+def test_report_says_what_torch_tpu_is_where_it_is_installed(tmp_path):
+    # An installed distribution, as pip leaves its metadata (TorchTPU itself needs torch
+    # 2.11 and a TPU: it cannot be installed beside torch_xla 2.8/2.9).
+    info = tmp_path / "torch_tpu-0.2.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: torch_tpu\nVersion: 0.2.0\n")
+    code = "import tpunb; print([w for w in tpunb.env().warnings if 'TorchTPU' in w])"
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert "torch_tpu 0.2.0 (TorchTPU, Google's replacement" in result.stdout, result.stderr
+    assert "cannot launch or simulate TorchTPU" in result.stdout
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.stdout.strip() == "[]", result.stderr
 
 
 def test_report_without_simulation_says_how_to_simulate():

@@ -105,8 +105,12 @@ def _warnings(report):
             "launch), so no launch can start: restart the kernel and use the device only "
             "inside the launched function."
         )
+    torch_tpu = versions.installed("torch_tpu")
+    if torch_tpu is not None:
+        yield versions.TORCH_TPU.format(version=torch_tpu)
     if report.torch_xla is None:
-        yield versions.INSTALL_TORCH_XLA
+        if torch_tpu is None:
+            yield versions.INSTALL_TORCH_XLA
     elif report.torch and versions.minor(report.torch) != versions.minor(report.torch_xla):
         yield (
             f"torch {report.torch} and torch_xla {report.torch_xla} do not match; torch_xla is "

@@ -27,6 +27,16 @@ INSTALL_TORCH_XLA = (
 )
 
 
+TORCH_TPU = (
+    "torch_tpu {version} (TorchTPU, Google's replacement for the deprecated PyTorch/XLA) is "
+    "installed. tpunb drives torch_xla, which Colab's and Kaggle's TPU images still ship, and "
+    "cannot launch or simulate TorchTPU: it runs eagerly, one process per device, started "
+    "with spawn (set_tpu_launch_env, then torchrun or torch.multiprocessing.spawn), has no "
+    "CPU mode, and needs torch 2.11 or later, so it cannot share an environment with "
+    "torch_xla 2.8 or 2.9. Its documentation: https://torchtpu.readthedocs.io."
+)
+
+
 def installed(distribution):
     """The installed version of ``distribution`` (e.g. "torch_xla"), or None."""
     try:
