@@ -23,6 +23,25 @@ def _indices_seen(rank, loader, epochs):
     return seen, len(sharded), sharded.loader.batch_size, sharded.loader.drop_last
 
 
+def _indices_seen_sharding_each_epoch(rank, loader, epochs):
+    # The README's idiom written inside an epoch loop: a new sharded loader each epoch.
+    seen = []
+    for _ in range(epochs):
+        seen.append([int(i) for batch in tpunb.shard(loader) for i in batch[0].cpu()])
+    return seen
+
+
+def test_sharding_again_each_epoch_goes_on_to_the_next_epoch(cores8):
+    loader = DataLoader(TensorDataset(torch.arange(512)), batch_size=16, shuffle=True)
+    once = tpunb.launch(_indices_seen, loader, 3)
+    each_epoch = tpunb.launch(_indices_seen_sharding_each_epoch, loader, 3)
+    assert each_epoch == [seen for seen, *_ in once]  # the same epochs, in the same order
+    for epoch in range(3):
+        assert sorted(i for seen in each_epoch for i in seen[epoch]) == list(range(512))
+    orders = [[i for seen in each_epoch for i in seen[epoch]] for epoch in range(3)]
+    assert len({tuple(order) for order in orders}) == 3  # a new order every epoch
+
+
 @pytest.mark.parametrize("samples, padding", [(1000, 0), (1003, 5)])
 @pytest.mark.parametrize("shuffle", [True, False])
 def test_every_sample_once_an_epoch_disjoint_ranks(cores8, samples, padding, shuffle):

@@ -21,25 +21,39 @@ if TYPE_CHECKING:
 _REPLACED = {"self", "dataset", "sampler", "batch_sampler", "shuffle"}
 
 
+# The epoch each notebook loader's next iteration runs, per rank: shard(loader) called
+# anew each epoch (``for batch in tpunb.shard(loader)`` inside an epoch loop) continues the
+# loader's epochs instead of replaying epoch 0, the pitfall of a forgotten set_epoch.
+_next_epochs: dict[tuple[int, int], list[int]] = {}
+
+
 class ShardedLoader:
     """This rank's shard of a DataLoader, on its XLA device: iterate it once an epoch.
 
     Each iteration is a new epoch: the sampler's epoch is set first, so a shuffled
-    loader gets a new order every epoch, the same on every rank. ``loader`` is the
-    rebuilt DataLoader (host side) and ``sampler`` its DistributedSampler.
+    loader gets a new order every epoch, the same on every rank; sharded again in the same
+    launch, the same loader goes on from its last epoch. ``loader`` is the rebuilt
+    DataLoader (host side) and ``sampler`` its DistributedSampler.
     """
 
-    def __init__(self, loader: DataLoader, device: torch.device) -> None:
+    def __init__(
+        self, loader: DataLoader, device: torch.device, next_epoch: list[int] | None = None
+    ) -> None:
         from torch_xla.distributed.parallel_loader import MpDeviceLoader
 
         self.loader = loader
         self.sampler = loader.sampler
-        self.epoch = 0  # the epoch the next iteration runs
+        self._next_epoch = [0] if next_epoch is None else next_epoch
         self._device_loader = MpDeviceLoader(loader, device)
+
+    @property
+    def epoch(self) -> int:
+        """The epoch the next iteration runs."""
+        return self._next_epoch[0]
 
     def __iter__(self) -> Iterator[Any]:
         self.sampler.set_epoch(self.epoch)
-        self.epoch += 1
+        self._next_epoch[0] += 1
         return iter(self._device_loader)
 
     def __len__(self) -> int:
@@ -49,7 +63,8 @@ class ShardedLoader:
 
 def shard(loader: DataLoader) -> ShardedLoader:
     """Inside a launched function: ``loader`` split across the cores and sent to this rank's
-    device, shuffled (or not) like the original, ``set_epoch`` called each epoch."""
+    device, shuffled (or not) like the original, ``set_epoch`` called each epoch (also when
+    ``shard(loader)`` is called again for each epoch)."""
     rebuild = distributed_version(loader)
     if not cores.in_rank():
         raise TpunbError(
@@ -59,7 +74,10 @@ def shard(loader: DataLoader) -> ShardedLoader:
     import torch_xla
     import torch_xla.runtime as xr
 
-    return ShardedLoader(rebuild(xr.world_size(), xr.global_ordinal()), torch_xla.device())
+    rank = xr.global_ordinal()
+    # The notebook's loader lives as long as the launch that was given it: its id is its own.
+    next_epoch = _next_epochs.setdefault((id(loader), rank), [0])
+    return ShardedLoader(rebuild(xr.world_size(), rank), torch_xla.device(), next_epoch)
 
 
 def distributed_version(loader):
