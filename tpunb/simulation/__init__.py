@@ -3,7 +3,7 @@
     __init__.py     simulate(cores): the environment torch_xla reads, then the patches
     collectives.py  each collective a graph of its own that the ranks run together
     compiled.py     torch.compile in ranks that share a process
-    point_to_point.py  xm.send and xm.recv through host memory
+    point_to_point.py  xm.send, xm.recv, dist.send and dist.recv through host memory
     process_groups.py  torch.distributed's default process group, one per core
     random_state.py  torch's random generator for each core's setup
     rank_threads.py  what happens as a process's rank threads start and end
