@@ -13,6 +13,7 @@ from tpunb.history import Step
 from tpunb.launcher import base, rank, supervisor
 from tpunb.launcher.messages import Raised, Returned, Steps
 from tpunb.launcher.preflight import Plan
+from tpunb.snapshot import Snapshot
 
 STEPS = 10  # a rank's steps; its batches have 8 samples, its last one 5
 COMPILES = [2, 1, 0, 0, 0, 0, 0, 0, 0, 1]  # each rank's process: the warm-up, then the 5
@@ -105,6 +106,10 @@ def test_records_reach_the_history_the_compile_watch_and_the_view(capsys, monkey
     assert epoch == f"epoch 1: {STEPS} batches a core, loss 0.6"
     assert done.startswith(f"done: epoch 1, batch {STEPS}/{STEPS}, loss 0.6, ")
     assert done.endswith(", 171 samples/s over the run, 4 compilations, 0 s elapsed")
+    # While it runs, the line's rate is a trailing mean, and says over how many steps.
+    [rate] = [part for part in Snapshot.of(history, 4, 0.5).parts() if "samples/s" in part]
+    current = history.current_samples_per_second()
+    assert rate == f"{current:,.0f} samples/s over the last {history.rate_over} steps"
 
 
 def test_a_ranks_error_is_the_launchs_outcome_with_the_rank_named():

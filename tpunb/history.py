@@ -86,6 +86,9 @@ def _training_steps(steps):
     return xs, epoch_starts
 
 
+RATE_OVER = 10  # steps: the samples/s of the live view and the figure are a trailing mean
+
+
 def _rates(steps, over):
     """One rank's samples/s at each of its steps (after the first batch), over the last
     ``over`` steps: a running sum, cheap however long the run. Returns the records'
@@ -121,6 +124,8 @@ class History:
     """``history.steps[rank]`` is the list of that rank's steps, in order (see
     ``Step``). ``rows()`` flattens them to dicts; ``save`` and
     ``load`` keep them as JSON; ``plot()`` draws loss, throughput and compilations per step."""
+
+    rate_over = RATE_OVER  # steps a samples/s figure is the trailing mean of
 
     def __init__(self, ranks: int) -> None:
         self.steps = {rank: [] for rank in range(ranks)}
@@ -228,7 +233,7 @@ class History:
         return [CompilesAt(x, *totals[x]) for x in sorted(totals)]
 
     def samples_per_second(
-        self, rank: int | None = None, over: int = 10
+        self, rank: int | None = None, over: int = RATE_OVER
     ) -> tuple[list[int], list[float]]:
         """([training step, ...], [samples/s, ...]) of ``rank``, each over its last
         ``over`` records (timed in the rank). ``rank=None``: all ranks together, at the
@@ -246,7 +251,7 @@ class History:
         positions, rates = _rates(self.steps[rank], over)
         return [at[p] for p in positions], rates
 
-    def current_samples_per_second(self, over: int = 10) -> float | None:
+    def current_samples_per_second(self, over: int = RATE_OVER) -> float | None:
         """All ranks' samples/s over their last ``over`` steps (None before that can be
         told): from the tails only, cheap however long the run."""
         rates = [_rates(steps[-over - 1 :], over)[1] for steps in self.steps.values()]

@@ -138,7 +138,8 @@ def _draw_throughput(ax, history, _name):
         ax.plot(*history.samples_per_second(rank), color=colors[rank], lw=0.8, alpha=0.5)
     ax.plot(*history.samples_per_second(), color="black", lw=1.6, label="all cores")
     ax.set(
-        title="samples/s (thin: each core; black: all cores together)",
+        title=f"samples/s, each the mean of the last {history.rate_over} steps "
+        "(thin: each core; black: all cores)",
         xlabel=STEP,
         ylabel="samples/s",
         ylim=(0, None),

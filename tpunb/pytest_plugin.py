@@ -34,8 +34,8 @@ def pytest_addoption(parser):
         choices=("processes", "threads"),
         default=None,
         help="with --tpunb-simulate: one process a core, as on a TPU v5e-8 (processes), or "
-        "every core a thread of one process (threads); default: processes where the "
-        "machine has a CPU a core",
+        "every core a thread of one process (threads); default: $TPUNB_SIMULATION_LAYOUT, "
+        "else processes",
     )
     group.addoption(
         "--tpunb-instead-of-tpu",

@@ -34,7 +34,7 @@ def main(argv=None):
         choices=simulation.LAYOUTS,
         default=None,
         help="processes: one process a core, as on a TPU v5e-8; threads: every core a "
-        "thread of one process (default: processes where the machine has a CPU a core)",
+        "thread of one process (default: $TPUNB_SIMULATION_LAYOUT, else processes)",
     )
     parser.add_argument("-m", dest="module", help="run a module, as python -m does")
     parser.add_argument("script", nargs="?", help="the script to run, as python would")

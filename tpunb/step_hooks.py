@@ -15,11 +15,18 @@ right after the marker the ``dispatched`` hooks, and the token reset that closes
 (after the step closures) the ``after`` hooks. While the marker runs, the frames are
 torch_xla's ``sync`` and its caller's, as on a TPU without tpunb.
 
+That rebuild knows the body of torch_xla 2.8's and 2.9's ``sync``: it checks, before any
+launch forks, that the body makes the three calls it hooks, once each and in that order.
+A body that does not (another release) gets the hooks around the whole call instead: only
+the debug output's naming of the calling frame is lost, never a step (``_around``).
+
 Both wings use it: the launch ends its steps here (also on a TPU), the simulation
 coordinates its ranks. Hooks are called with the name of the module that called
 ``torch_xla.sync`` (its dynamo bridge's syncs are inside a user's step).
 """
 
+import dis
+import functools
 import sys
 import threading
 import types
@@ -71,7 +78,19 @@ def install():
     patching.replace((torch_xla, module), "sync", "step hooks", _hooked)
 
 
+# The calls of torch_xla's sync that the rebuilt one hooks, in the order its body makes them.
+HOOKED_CALLS = ("_xla_get_default_device", "is_master_ordinal", "_set_all_reduce_token")
+
+
+def knows(function):
+    """Whether ``function``'s body makes the hooked calls, once each, in their order."""
+    loads = dis.get_instructions(function.__code__)
+    return tuple(i.argval for i in loads if i.argval in HOOKED_CALLS) == HOOKED_CALLS
+
+
 def _hooked(upstream):
+    if not knows(upstream):
+        return _around(upstream)
     import torch_xla
     import torch_xla.torch_xla as module
 
@@ -86,6 +105,22 @@ def _hooked(upstream):
     hooked.__module__ = upstream.__module__
     hooked.__qualname__ = upstream.__qualname__
     return hooked
+
+
+def _around(upstream):
+    """The hooks around a ``sync`` whose body the rebuild does not know: before, then the
+    whole sync (its step closures included), then ``dispatched`` and ``after``."""
+
+    @functools.wraps(upstream)
+    def sync(*args, **kwargs):
+        __tracebackhide__ = True
+        caller = sys._getframe(1).f_globals.get("__name__", "")
+        _run("before", caller)
+        upstream(*args, **kwargs)
+        _run("dispatched", caller)
+        _run("after", caller)
+
+    return sync
 
 
 class _TorchXla:
