@@ -47,6 +47,22 @@ def test_a_spawned_rank_that_fails_stops_the_script_at_once_with_its_error():
     assert {p.pid for p in launch_leftovers()} == before
 
 
+@pytest.mark.pair("colab", reason="torchrun's processes start alike on both pairs")
+def test_a_script_torchrun_starts_runs_unchanged_a_process_a_core():
+    script = os.path.join(THIRD_PARTY, "torchrun_script.py")
+    before = set(os.listdir("/dev/shm"))
+    torchrun = ["-m", "torch.distributed.run", "--nproc-per-node", "2"]
+    result, _ = _run([*torchrun, "-m", "tpunb.simulate", "--cores", "2", script])
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = sorted(line for line in result.stdout.splitlines() if line.startswith("rank "))
+    assert lines == ["rank 0 of 2 on xla:0: sum 3", "rank 1 of 2 on xla:0: sum 3"]
+    # Local rank 0 closed the meeting once both had ended: nothing left in shared memory.
+    assert not {name for name in set(os.listdir("/dev/shm")) - before if "tpunb" in name}
+    # Started for another count of cores, a rank says so before anything runs.
+    result, _ = _run([*torchrun, "-m", "tpunb.simulate", "--cores", "8", script])
+    assert "torchrun started 2 processes on this host (2 in all) for 8 simulated" in result.stderr
+
+
 def test_the_command_line_says_what_is_wrong_before_running_anything(tmp_path):
     result, _ = _run(["-m", "tpunb.simulate", str(tmp_path / "missing.py")])
     assert result.returncode == 2 and "no such script" in result.stderr

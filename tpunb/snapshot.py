@@ -62,7 +62,9 @@ class Snapshot:
         if final and self.mean_samples_per_second is not None:  # the run's, for comparing runs
             parts.append(f"{self.mean_samples_per_second:,.0f} samples/s over the run")
         elif self.samples_per_second is not None:
-            parts.append(f"{self.samples_per_second:,.0f} samples/s over the last {RATE_OVER} steps")
+            parts.append(
+                f"{self.samples_per_second:,.0f} samples/s over the last {RATE_OVER} steps"
+            )
         parts.append(f"{self.compiles} compilations")
         if self.memory is not None:
             used, _, limit = self.memory

@@ -10,6 +10,7 @@
     rank_cpu.py     a process's rank threads on one CPU, on a machine of two
     tpu_answers.py  what Python asks about the hardware answers a TPU; the runtime the CPU
     spawned.py      the simulation in the children of the spawn start method
+    torchrun.py     the ranks torchrun starts, each a process of the process layout
     lightning.py    PyTorch Lightning's TPU accelerator opened to the simulated cores
 
 Nothing here is applied on a machine with a TPU: ``simulate`` refuses to run there.
@@ -24,7 +25,7 @@ from tpunb import cores as core_layout
 from tpunb import hardware, platform, upstream, versions
 from tpunb.environment import env
 from tpunb.errors import TpunbError, check_count
-from tpunb.simulation import tpu_answers
+from tpunb.simulation import torchrun, tpu_answers
 
 if TYPE_CHECKING:
     from tpunb.environment import Environment
@@ -66,6 +67,11 @@ def simulate(
         raise TpunbError(
             f"simulate(layout={layout!r}): the layout is 'processes' (one process a core, as "
             "on a TPU v5e-8) or 'threads' (every core a thread of one process)."
+        )
+    if torchrun.launched() and layout != "processes":
+        raise TpunbError(
+            "torchrun started this process as one rank: the simulation runs it as a process a "
+            "core (layout='processes'), not as threads. Unset TPUNB_SIMULATION_LAYOUT."
         )
     tpu = hardware.detect()
     if tpu is not None and not instead_of_tpu:
@@ -113,6 +119,8 @@ def simulate(
     shared_process.install()  # also for plain xmp.spawn and Lightning's launcher
     lightning.install()
     core_layout.set_simulated(count, processes)
+    if torchrun.launched():  # this process is one of the ranks torchrun started
+        torchrun.become_rank(count)
     return env()
 
 

@@ -107,6 +107,11 @@ class Meeting:
                     told.add(rank)
                     _tell_the_others(self.store, rank, rounds, "was killed: its process exited")
 
+    def all_ended(self):
+        """Whether every rank that joined has ended, or its process exited."""
+        states = [_state(self.directory, rank) for rank in range(self.ranks)]
+        return all(ended or not _alive(pid) for pid, _, ended in states if pid)
+
     def close(self):
         """Unlinks the meeting's segments, those that killed ranks left too."""
         self._closed.set()

@@ -66,18 +66,7 @@ def _as_a_rank_process(run_threads):
     def run_thread_per_device(local_rank, local_world_size, fn, initializer_fn):
         if not cores.process_a_core():  # the threads layout's (rank_threads.py)
             return run_threads(local_rank, local_world_size, fn, initializer_fn)
-        import torch
-        import torch_xla.runtime as xr
-
-        tpu_answers.runtime_reads_cpu()  # one CPU device: this process's chip
-        xr._WORLD_SIZE, xr._ORDINAL = local_world_size, local_rank
-        # One intra-op thread: a forked process whose parent ran torch's OpenMP threads
-        # hangs in its first parallel region with more than one (libgomp is not fork-safe:
-        # https://github.com/pytorch/pytorch/issues/17199); a notebook that computed on the
-        # CPU before the launch has run them. The device's work runs on XLA's own threads.
-        torch.set_num_threads(1)
-        exchange = host_exchange.Exchange(local_rank, local_world_size)
-        host_collectives.start(exchange)
+        exchange = become_rank(local_rank, local_world_size)
 
         @functools.wraps(fn)
         def rank():
@@ -106,6 +95,27 @@ def _as_a_rank_process(run_threads):
             exchange.close()
 
     return run_thread_per_device
+
+
+def become_rank(local_rank, local_world_size, address=None):
+    """Makes this process, before its runtime starts, rank ``local_rank`` of
+    ``local_world_size`` as a v5e-8's process is, with its side of the meeting at
+    ``address`` (the launching process's, in the environment, by default)."""
+    import torch
+    import torch_xla.runtime as xr
+
+    tpu_answers.runtime_reads_cpu()  # one CPU device: this process's chip
+    xr._WORLD_SIZE, xr._ORDINAL = local_world_size, local_rank
+    os.environ.setdefault(_PROCESS_RANK, str(local_rank))
+    os.environ.setdefault(_PROCESS_COUNT, str(local_world_size))
+    # One intra-op thread: a forked process whose parent ran torch's OpenMP threads
+    # hangs in its first parallel region with more than one (libgomp is not fork-safe:
+    # https://github.com/pytorch/pytorch/issues/17199); a notebook that computed on the
+    # CPU before the launch has run them. The device's work runs on XLA's own threads.
+    torch.set_num_threads(1)
+    exchange = host_exchange.Exchange(local_rank, local_world_size, address)
+    host_collectives.start(exchange)
+    return exchange
 
 
 def _as_on_a_v5e(name, original):
