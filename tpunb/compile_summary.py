@@ -14,7 +14,8 @@ from tpunb import reports
 class CompileSummary(reports.Report):
     """Compilations of a launch and what caused them. torch_xla compiles and counts per
     process: the counts are those of the process that compiled most (on a v5e-8 each of
-    the 8 processes compiles the same graphs; ``all_processes_compiles`` sums them)."""
+    the 8 processes compiles the graphs its own batches need, the same ones where every
+    shard has the same shapes; ``all_processes_compiles`` sums them)."""
 
     compiles: int
     warmup_compiles: int

@@ -203,7 +203,7 @@ class History:
 
     def compiles_per_step(self) -> list[CompilesAt]:
         """The compilations of the process that compiled most (torch_xla compiles and counts
-        per process; on a v5e-8 each process compiles the same graphs) at each training step
+        per process; on a v5e-8 each process compiles what its own batches need) at each step
         where it compiled, as the compile watch judged them (its summary counts the same);
         compilations before the first batch are at step 0. ``not_training``: those of
         torch_xla's helpers (xm.rendezvous, xm.mesh_reduce, step closures) and of steps
