@@ -109,13 +109,17 @@ def _collective_compiled_with_symbolic_shapes(rank):
         return xm.all_reduce(xm.REDUCE_SUM, x * 2)
 
     compiled = torch.compile(total, backend="openxla", dynamic=True)
-    return compiled(torch.ones(3, device=torch_xla.device())).tolist()
+    device = torch_xla.device()
+    return [
+        compiled(torch.full((size,), rank + size, device=device)).tolist() for size in (3, 4, 5)
+    ]
 
 
 @pytest.mark.pair("colab", reason="the same mechanism as Kaggle's fullgraph test: checked once")
-def test_a_collective_compiled_with_symbolic_shapes_says_how_to_compile_it(cores8_processes):
-    # The graph is extracted whole, with nothing to run between its parts: compiled into it,
-    # one call's collective result would be every call's.
-    with pytest.raises(tpunb.RankError) as raised:
-        tpunb.launch(_collective_compiled_with_symbolic_shapes)
-    assert "Compile with dynamic=False" in str(raised.value)
+def test_a_collective_compiled_with_symbolic_shapes_gives_every_call_its_result(cores8_processes):
+    # The backend compiles a graph of symbolic shapes whole, with nothing to run between its
+    # parts: it runs as dynamo traced it, the collective between its operations. Compiled
+    # whole, the first call's collective result would have been every call's.
+    results = tpunb.launch(_collective_compiled_with_symbolic_shapes, live=False)
+    expected = [[2.0 * sum(rank + size for rank in range(CORES))] * size for size in (3, 4, 5)]
+    assert list(results) == [expected] * CORES

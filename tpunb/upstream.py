@@ -68,6 +68,8 @@ SIMULATION = {
         "_xla_tensors_from_aten",
         "_replace_xla_tensor",  # host_collectives.py: the out= forms
         "_xla_counter_value",
+        "_get_graph_hash",  # functional_collectives.py: a part that only copies
+        "_get_tensors_xla_device_data_node",
     ),
     "torch_xla.core.xla_model": ("_get_all_reduce_token",),  # functional_collectives.py
     "torch_xla.runtime": ("_WORLD_SIZE", "_ORDINAL"),  # rank_processes.py
@@ -76,6 +78,7 @@ SIMULATION = {
     "torch_xla._dynamo.dynamo_bridge": (  # compiled.py, functional_collectives.py
         "extract_compiled_graph",
         "extract_compiled_graph_helper",
+        "extract_graph_helper",
         "UnsupportedNodesCollector",
         "InputCollector",
     ),
