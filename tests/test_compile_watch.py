@@ -474,7 +474,7 @@ def _record(step, batch, compiles=None):
 def test_a_compilation_read_a_step_early_is_still_blamed_on_its_new_shape(lag):
     # Where ranks share a process, rank 0 reads the process's counters after its step;
     # another rank may already have compiled its next step by then (seen on CI).
-    watch = tpunb.compile_watch.CompileWatch(ranks=2)
+    watch = tpunb.watch.compile_watch.CompileWatch(ranks=2)
     batches = [8] * 9 + [5]
     compiles = [2, 1, 0] + [0] * 7
     compiles[9 + lag] += 1
@@ -492,7 +492,7 @@ def test_a_compilation_read_a_step_early_is_still_blamed_on_its_new_shape(lag):
 
 def test_a_few_shapes_met_after_the_warm_up_compile_without_a_warning_and_a_fifth_warns():
     # Buckets: each bucket's first batch compiles its graph once, whenever it comes.
-    watch = tpunb.compile_watch.CompileWatch(ranks=1)
+    watch = tpunb.watch.compile_watch.CompileWatch(ranks=1)
     lengths = [16, 16, 16, 32, 16, 48, 64, 16, 80, 16]  # 80: a fifth shape
     messages = []
     for step, length in enumerate(lengths):
@@ -512,7 +512,7 @@ def test_a_process_compiling_a_shape_another_met_first_is_blamed_on_that_shape()
     # A process a rank (a v5e-8): rank 1 meets at step 6 the bucket rank 0 met at step 4,
     # and its process compiles the graph then: a shape new to the process, not a changed
     # graph (it was once warned about as one, on the process layout).
-    watch = tpunb.compile_watch.CompileWatch(ranks=2)
+    watch = tpunb.watch.compile_watch.CompileWatch(ranks=2)
     lengths = {0: [16] * 4 + [32] * 6, 1: [16] * 6 + [32] * 4}
     messages = []
     for step in range(10):
@@ -540,7 +540,7 @@ def test_each_process_counts_its_own_compilations_as_on_a_v5e_8():
     # counters, and each process compiles the same graphs.
     from tpunb.history import History
 
-    watch, history = tpunb.compile_watch.CompileWatch(ranks=2), History(2)
+    watch, history = tpunb.watch.compile_watch.CompileWatch(ranks=2), History(2)
     compiles = [2, 1, 0] + [0] * 6 + [1]
     batches = [8] * 9 + [5]
     messages = []
@@ -649,7 +649,7 @@ def test_a_result_read_by_a_rank_past_its_last_sync_is_not_blamed_on_a_lagging_s
     # Seen in CI: the process's reporting rank read the counters in its step 4 while
     # another rank, done with its 6 steps, ran `return x.sum().item()` (heartbeat step 6,
     # its function not yet returned).
-    watch = tpunb.compile_watch.CompileWatch(ranks=2)
+    watch = tpunb.watch.compile_watch.CompileWatch(ranks=2)
     messages = []
     for step in range(6):
         record = _record(step, 8, compiles=2 if step == 0 else 0)
@@ -665,7 +665,7 @@ def test_a_result_read_by_a_rank_past_its_last_sync_is_not_blamed_on_a_lagging_s
 def test_a_compilation_counted_steps_after_a_lagging_ranks_new_shape_is_blamed_on_it():
     # Rank 1 lags 30 steps behind rank 0, which reads the process's counters: the graph
     # rank 1 compiled for its new batch shape at its step 10 is counted in rank 0's step 40.
-    watch = tpunb.compile_watch.CompileWatch(ranks=2)
+    watch = tpunb.watch.compile_watch.CompileWatch(ranks=2)
     messages = []
     for step in range(60):
         compiles = {0: 2, 1: 1, 40: 1}.get(step, 0)
@@ -701,7 +701,7 @@ def _framework_run(last_batch=8, graph_change_at=None):
         compiles[10] = 1  # the short last batch
     if graph_change_at is not None:
         compiles[graph_change_at] = 1
-    watch = tpunb.compile_watch.CompileWatch(ranks=2)
+    watch = tpunb.watch.compile_watch.CompileWatch(ranks=2)
     messages = []
     for step, (epoch, batch, framework, size) in enumerate(rows):
         for rank in (0, 1):

@@ -9,11 +9,11 @@ import pytest
 import torch
 
 import tpunb
-from tpunb import device_memory
 from tpunb.history import History, Step
 from tpunb.launcher import failures
 from tpunb.launcher.messages import Raised
-from tpunb.snapshot import Snapshot
+from tpunb.watch import device_memory
+from tpunb.watch.snapshot import Snapshot
 
 GiB = 2**30
 

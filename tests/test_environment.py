@@ -8,9 +8,10 @@ import pytest
 from conftest import run_python
 
 import tpunb
-from tpunb import environment, hardware, platform
-from tpunb.cores import Layout
+from tpunb import environment, hardware
 from tpunb.environment import Environment
+from tpunb.machine import platform
+from tpunb.machine.cores import Layout
 
 
 def _fake_pci(root, *device_ids):

@@ -15,9 +15,9 @@ from nbclient import NotebookClient
 from torch.utils.data import DataLoader, TensorDataset
 
 import tpunb
-from tpunb import live
 from tpunb.history import Step
 from tpunb.launcher import recorder
+from tpunb.watch import live
 
 EPOCHS, BATCHES = 3, 5  # a core's batches an epoch
 DATA = TensorDataset(torch.arange(8 * BATCHES * 4, dtype=torch.float32)[:, None])
@@ -156,7 +156,7 @@ def test_a_value_logged_long_ago_still_shows_in_the_line_and_the_last_line(capsy
     # A learning rate logged once, then 1,100 steps of loss: the view reads the last value
     # of each name however long ago it was logged.
     history, clock = tpunb.History(2), _Clock()
-    view = live.view("text", history, tpunb.compile_watch.CompileWatch(2), clock)
+    view = live.view("text", history, tpunb.watch.compile_watch.CompileWatch(2), clock)
     for rank in range(2):
         history.add(rank, [Step(0, 0.0, {"lr": 0.1, "loss": 2.0}, [], 0)])
         history.add(rank, [Step(s, s / 100, {"loss": 1.0}, [], 0) for s in range(1, 1101)])
@@ -174,7 +174,7 @@ def _fast_steps(history, step):
 
 def test_widgets_redraw_at_a_bounded_rate_however_fast_the_steps_come():
     history = tpunb.History(8)
-    watch = tpunb.compile_watch.CompileWatch(8)
+    watch = tpunb.watch.compile_watch.CompileWatch(8)
     clock = _Clock()
     # Outside a kernel the widgets draw nowhere. 3,000 steps in 3 s, far faster than redraws.
     view = live.view("widgets", history, watch, clock)

@@ -12,7 +12,7 @@ import pytest
 from conftest import ROOT
 
 import tpunb
-from tpunb import versions
+from tpunb.upstream import versions
 
 pytestmark = pytest.mark.pair("colab", reason="the same package on both pairs: built once")
 

@@ -3,7 +3,7 @@ rebuild knows, the hooks around it where it is not (another torch_xla release)."
 
 import torch_xla
 
-from tpunb import patching, step_hooks
+from tpunb.upstream import patching, step_hooks
 
 
 def test_the_installed_sync_is_rebuilt_from_its_own_body():

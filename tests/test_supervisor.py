@@ -8,12 +8,12 @@ import warnings
 import pytest
 
 import tpunb
-from tpunb import live
 from tpunb.history import Step
 from tpunb.launcher import base, rank, supervisor
 from tpunb.launcher.messages import Raised, Returned, Steps
 from tpunb.launcher.preflight import Plan
-from tpunb.snapshot import Snapshot
+from tpunb.watch import live
+from tpunb.watch.snapshot import Snapshot
 
 STEPS = 10  # a rank's steps; its batches have 8 samples, its last one 5
 COMPILES = [2, 1, 0, 0, 0, 0, 0, 0, 0, 1]  # each rank's process: the warm-up, then the 5

@@ -1,5 +1,5 @@
 """The one list of torch_xla's and Lightning's private names that tpunb uses
-(``tpunb/upstream.py``): complete, present in both supported pairs, and checked before a
+(``tpunb/upstream/__init__.py``): complete, present in both supported pairs, and checked before a
 launch forks."""
 
 import re
@@ -70,7 +70,7 @@ def test_a_launch_without_a_name_it_needs_is_refused_before_any_fork(cores8, mon
 def test_a_patch_is_made_once_stacks_on_another_and_keeps_the_upstream_function():
     import types
 
-    from tpunb import patching
+    from tpunb.upstream import patching
 
     def upstream(x):
         return x
@@ -86,3 +86,35 @@ def test_a_patch_is_made_once_stacks_on_another_and_keeps_the_upstream_function(
     assert patching.upstream(owner.f) is upstream
     patching.replace(owner, "f", "add ten", adding(20), renew=True)  # made again
     assert owner.f(0) == 21 and list(patching.patches(owner.f)) == ["add ten", "add one"]
+
+
+class _Base:
+    def read(self):
+        return "base"
+
+
+class _Owner(_Base):
+    def write(self):
+        return "owner"
+
+
+def _shouting(name, method):
+    def shouted(self):
+        return method(self).upper() + "!"
+
+    return shouted
+
+
+def test_the_launchs_patches_are_put_back_as_they_were_also_on_an_error():
+    from tpunb.upstream import patching
+
+    owner = _Owner()
+    try:
+        with patching.during(_Owner, ["read", "write"], "shout", _shouting):
+            assert (owner.read(), owner.write()) == ("BASE!", "OWNER!")
+            raise KeyError("the launch failed")
+    except KeyError:
+        pass
+    assert (owner.read(), owner.write()) == ("base", "owner")
+    assert "read" not in vars(_Owner)  # inherited again, not copied down
+    assert list(patching.patches(_Owner.write)) == []

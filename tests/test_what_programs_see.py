@@ -158,9 +158,32 @@ def test_collectives_compiled_without_fullgraph_give_every_call_its_result(simul
     # the threads run each collective as a graph of its own (docs/simulation.md).
     script = _script("compiled_without_fullgraph.py")
     result = _simulated(["--layout", simulated_layout, script], cores=2)
-    lines = sorted(re.findall(r"rank \d+: .*", result.stdout))
+    # The threads' prints may interleave: each is matched whole, wherever it is.
+    said = r"rank \d+: \d+ of 24 right, \d of 6 broadcasts one graph, counted (?:True|False)"
+    lines = sorted(re.findall(said, result.stdout))
     broadcasts = 6 if simulated_layout == "processes" else 0
     assert lines == [
         f"rank {rank}: 24 of 24 right, {broadcasts} of 6 broadcasts one graph, counted True"
         for rank in range(2)
     ], result.stdout[-3000:]
+
+
+@pytest.mark.pair("colab", reason="the pairs' torch.distributed alike: checked once")
+@pytest.mark.parametrize("simulated_layout", ["processes", "threads"])
+def test_torch_distributed_counts_its_collectives_and_ddp_bucket_views(simulated_layout):
+    # The process layout computes collectives on the host, where torch_xla's C++ counters
+    # were not counted; it counts them as torch_xla would. On the threads the counters are
+    # the process's, shared by its rank threads: one rank's met.clear_all() clears the
+    # others' counts (as on a TPU v3's two threads a process), so only the processes are
+    # checked. DDP's bucket views: right on the processes (the host all-reduce writes the
+    # bucket through copy_, which its views see), wrong on the threads and on a TPU
+    # (XLA's in-place all-reduce sets the bucket beneath functionalization;
+    # docs/simulation.md).
+    script = _script("distributed_counters_and_ddp.py")
+    result = _simulated(["--layout", simulated_layout, script], cores=2)
+    said = r"rank (\d+): counters (True|False), bucket views train as the CPU (True|False)"
+    ranks = sorted(re.findall(said, result.stdout))  # the threads' prints may interleave
+    processes = str(simulated_layout == "processes")
+    assert [(rank, views) for rank, _, views in ranks] == [("0", processes), ("1", processes)]
+    if simulated_layout == "processes":
+        assert all(counters == "True" for _, counters, _ in ranks), result.stdout[-3000:]

@@ -19,7 +19,6 @@ from tpunb.batches import (
     scale_learning_rate,
 )
 from tpunb.buckets import BucketCollate, choose_buckets
-from tpunb.compile_summary import CompileSummary
 from tpunb.environment import Environment, env
 from tpunb.errors import RankError, TpunbError, TpunbWarning
 from tpunb.graph_limit import limit_graphs
@@ -29,6 +28,7 @@ from tpunb.metrics import log
 from tpunb.sampling import shard
 from tpunb.simulation import simulate
 from tpunb.sweep import sweep_batch_sizes
+from tpunb.watch.compile_summary import CompileSummary
 
 __all__ = [
     "BucketCollate",

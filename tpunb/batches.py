@@ -10,9 +10,9 @@ import math
 import weakref
 from typing import TYPE_CHECKING
 
-from tpunb import cores as core_layout
-from tpunb import reports
 from tpunb.errors import TpunbError
+from tpunb.machine import cores as core_layout
+from tpunb.wording import reports
 
 if TYPE_CHECKING:
     from torch.utils.data import DataLoader

@@ -6,7 +6,10 @@ from __future__ import annotations
 import dataclasses
 import sys
 
-from tpunb import cores, hardware, platform, reports, versions
+from tpunb import hardware
+from tpunb.machine import cores, platform
+from tpunb.upstream import versions
+from tpunb.wording import reports
 
 
 @dataclasses.dataclass(frozen=True, repr=False)

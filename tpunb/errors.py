@@ -8,7 +8,7 @@ import sys
 import warnings
 from typing import TYPE_CHECKING
 
-from tpunb import program_lines
+from tpunb.wording import program_lines
 
 if TYPE_CHECKING:
     from collections.abc import Iterable

@@ -8,8 +8,8 @@ import functools
 import typing
 from collections.abc import Callable
 
-from tpunb import cores
 from tpunb.errors import TpunbError, check_count
+from tpunb.machine import cores
 
 T = typing.TypeVar("T")
 

@@ -7,7 +7,7 @@ import dataclasses
 import json
 from typing import TYPE_CHECKING, NamedTuple
 
-from tpunb import device_memory
+from tpunb.watch import device_memory
 
 if TYPE_CHECKING:
     import os
@@ -290,7 +290,8 @@ class History:
 
     def plot(self, **figure_options: Any) -> Figure:
         """A matplotlib figure of the run: logged values per core, samples/s, compilations."""
-        from tpunb import history_figure, plots
+        from tpunb import plots
+        from tpunb.watch import history_figure
 
         return plots.shown_in_notebooks(history_figure.history_figure(self, **figure_options))
 

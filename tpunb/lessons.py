@@ -14,8 +14,8 @@ import subprocess
 import sys
 import time
 
-from tpunb import versions
 from tpunb.errors import TpunbError
+from tpunb.upstream import versions
 
 QUICKSTART = "00_quickstart.ipynb"
 

@@ -8,8 +8,9 @@ from __future__ import annotations
 import itertools
 from typing import TYPE_CHECKING
 
-from tpunb import platform, versions
 from tpunb.errors import TpunbError
+from tpunb.machine import platform
+from tpunb.upstream import versions
 
 if TYPE_CHECKING:
     from collections.abc import Sequence

@@ -7,8 +7,8 @@ from __future__ import annotations
 import inspect
 from typing import TYPE_CHECKING
 
-from tpunb import cores
 from tpunb.errors import TpunbError
+from tpunb.machine import cores
 
 if TYPE_CHECKING:
     from collections.abc import Iterator

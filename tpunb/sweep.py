@@ -10,8 +10,9 @@ import time
 import warnings
 from typing import TYPE_CHECKING
 
-from tpunb import device_memory, reports
 from tpunb.errors import TpunbError, TpunbWarning
+from tpunb.watch import device_memory
+from tpunb.wording import reports
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable, Iterator
@@ -127,8 +128,8 @@ def sweep_batch_sizes(
     returns the loss of a batch on the device; ``optimizer(params)`` builds the optimizer
     (SGD by default). Warm-up steps are not timed: the first round's include compiling
     each batch size's graphs."""
-    from tpunb import cores as core_layout
     from tpunb.launcher import launch
+    from tpunb.machine import cores as core_layout
 
     sizes = sorted(batch_sizes)
     with warnings.catch_warnings():

@@ -5,8 +5,9 @@ happened and what to do."""
 import importlib.util
 import signal
 
-from tpunb import device_memory, migration
 from tpunb.errors import RankError
+from tpunb.watch import device_memory
+from tpunb.wording import migration
 
 # Errors whose message alone does not say what to do.
 _KNOWN_CAUSES = [

@@ -1,6 +1,6 @@
 """Where tpunb sees a rank's steps: for the duration of a launch, in the parent, each
 ``torch_xla.sync`` ends a step (for the hang watchdog's heartbeat and the step records,
-through ``tpunb.step_hooks``, which leaves torch_xla's debug output naming the user's
+through ``tpunb.upstream.step_hooks``, which leaves torch_xla's debug output naming the user's
 line) and torch_xla's per-device loader is wrapped so that each batch it hands out is
 recorded. The syncs torch_xla's dynamo bridge makes while it extracts a
 ``torch.compile``d graph (at a compiled function's first call, or a new shape) are
@@ -15,8 +15,8 @@ afterwards."""
 
 import contextlib
 
-from tpunb import step_hooks
 from tpunb.launcher import heartbeat, ledger, process_counters, reads, recorder
+from tpunb.upstream import patching, step_hooks
 
 # Its extract_graph_helper and extract_compiled_graph_helper call torch_xla.sync() to
 # materialize the compiled graph's inputs.
@@ -55,32 +55,39 @@ def installed():
     import torch_xla.core.xla_model as xm
     import torch_xla.distributed.parallel_loader as pl
 
-    next_batch = pl.PerDeviceLoader.next
-    add_step_closure = xm.add_step_closure
-    xla_rendezvous = xm.xla_rendezvous
+    def next_recorded(next_batch):
+        def next_batch_recorded(self):
+            __tracebackhide__ = True  # a rank's traceback shows the program's loop, not this
+            batch = next_batch(self)
+            recording = recorder.current()
+            if recording is not None:
+                recording.batch(batch, self)
+            return batch
 
-    def next_recorded(self):
-        __tracebackhide__ = True  # a rank's traceback shows the program's loop, not this
-        batch = next_batch(self)
-        recording = recorder.current()
-        if recording is not None:
-            recording.batch(batch, self)
-        return batch
+        return next_batch_recorded
 
-    def add_excused_step_closure(closure, *args, **kwargs):
-        # A closure runs after the step's sync, on computed values: its .item() cuts no graph.
-        return add_step_closure(process_counters.excusing(closure), *args, **kwargs)
+    def excused(name, helper):
+        if name == "add_step_closure":
+            # A closure runs after the step's sync, on computed values: its .item() cuts
+            # no graph.
+            def add_excused_step_closure(closure, *args, **kwargs):
+                return helper(process_counters.excusing(closure), *args, **kwargs)
+
+            return add_excused_step_closure
+        # xm.rendezvous and xm.mesh_reduce call it; it reads the gathered sizes after a sync.
+        return process_counters.excusing(helper)
 
     syncs = step_hooks.add(before=_before_sync, after=_after_sync)
-    pl.PerDeviceLoader.next = next_recorded
-    xm.add_step_closure = add_excused_step_closure
-    # xm.rendezvous and xm.mesh_reduce call it; it reads the gathered sizes after a sync.
-    xm.xla_rendezvous = process_counters.excusing(xla_rendezvous)
+    helpers = ("add_step_closure", "xla_rendezvous")
     try:
-        with reads.watched(_on_read), ledger.recorded(_on_collective):
+        with (
+            patching.during(
+                pl.PerDeviceLoader, ["next"], "launch: batches", lambda _, f: next_recorded(f)
+            ),
+            patching.during(xm, helpers, "launch: excused reads", excused),
+            reads.watched(_on_read),
+            ledger.recorded(_on_collective),
+        ):
             yield
     finally:
         step_hooks.remove(syncs)
-        pl.PerDeviceLoader.next = next_batch
-        xm.add_step_closure = add_step_closure
-        xm.xla_rendezvous = xla_rendezvous

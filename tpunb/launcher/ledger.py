@@ -29,9 +29,11 @@ import threading
 import time
 import typing
 
-from tpunb import collective_calls, program_lines
 from tpunb.errors import RankError
 from tpunb.launcher.failures import span
+from tpunb.upstream import patching
+from tpunb.watch import collective_calls
+from tpunb.wording import program_lines
 
 # The collectives of torch_xla.core.xla_model that are recorded: what every other one calls.
 RECORDED = (
@@ -242,8 +244,6 @@ def recorded(on_call):
     import torch
     import torch_xla.core.xla_model as xm
 
-    saved = {name: getattr(xm, name) for name in RECORDED}
-
     def wrapped(name, collective):
         def call(*args, **kwargs):
             if torch.compiler.is_compiling():  # dynamo traces the collective alone
@@ -261,13 +261,8 @@ def recorded(on_call):
         call.__wrapped__ = collective
         return call
 
-    for name, collective in saved.items():
-        setattr(xm, name, wrapped(name, collective))
-    try:
+    with patching.during(xm, RECORDED, "launch: the ledger", wrapped):
         yield
-    finally:
-        for name, collective in saved.items():
-            setattr(xm, name, collective)
 
 
 def _point_to_point(name, args, kwargs):

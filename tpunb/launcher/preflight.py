@@ -7,8 +7,11 @@ import inspect
 import os
 import sys
 
-from tpunb import cores, live, platform, upstream, versions
+from tpunb import upstream
 from tpunb.errors import TpunbError, warn
+from tpunb.machine import cores, platform
+from tpunb.upstream import versions
+from tpunb.watch import live
 
 
 @dataclasses.dataclass(frozen=True)

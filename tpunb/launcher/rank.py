@@ -12,10 +12,11 @@ import os
 import threading
 import time
 
-from tpunb import cores, program_lines
 from tpunb.errors import CollectiveMismatch, RankEnded
 from tpunb.launcher import channel, failures, heartbeat, ledger, recorder
 from tpunb.launcher.messages import Raised, Returned
+from tpunb.machine import cores
+from tpunb.wording import program_lines
 
 _jobs = {}
 _keys = itertools.count()

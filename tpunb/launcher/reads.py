@@ -22,7 +22,8 @@ import os
 import sys
 import threading
 
-from tpunb import program_lines
+from tpunb.upstream import patching
+from tpunb.wording import program_lines
 
 # Method name -> how a learner writes the read.
 _READS = {
@@ -44,7 +45,6 @@ _SYNCS = {
     "optimizer_step": "xm.optimizer_step(..., barrier=True)",
 }
 _INSTALLED = ("site-packages", "dist-packages")  # a library's frame, not the program's
-_MISSING = object()
 _inside = threading.local()  # depth of wrapped reads in this thread: the outermost counts
 _TPUNB = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
@@ -141,15 +141,9 @@ def watched(on_read):
     import torch
 
     libraries = program_lines.libraries(own=False)
-    saved = {name: torch.Tensor.__dict__.get(name, _MISSING) for name in _READS}
-    for name in _READS:
-        method = getattr(torch.Tensor, name)
-        setattr(torch.Tensor, name, _wrapped(torch, name, method, on_read, libraries))
-    try:
+
+    def wrapped(name, method):
+        return _wrapped(torch, name, method, on_read, libraries)
+
+    with patching.during(torch.Tensor, _READS, "launch: reads", wrapped):
         yield
-    finally:
-        for name, method in saved.items():
-            if method is _MISSING:
-                delattr(torch.Tensor, name)
-            else:
-                setattr(torch.Tensor, name, method)

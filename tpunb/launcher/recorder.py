@@ -7,12 +7,12 @@ one rank a process, the process's new compilations, compile time and CPU fallbac
 import threading
 import time
 
-from tpunb import device_memory
 from tpunb.errors import TpunbError
 from tpunb.history import Step
 from tpunb.launcher import reads
 from tpunb.launcher.messages import Steps
 from tpunb.launcher.process_counters import ProcessCounters, excused_here
+from tpunb.watch import device_memory
 
 # At most this long (and a step) between a step and its record reaching the notebook.
 FLUSH_SECONDS = 0.5

@@ -29,7 +29,8 @@ import functools
 import os
 import threading
 
-from tpunb import cores
+from tpunb.machine import cores
+from tpunb.upstream import patching
 
 # The ops whose first fallback is created up front: .item() / float(t) / a Python if on a
 # tensor, boolean masks and masked_select.
@@ -43,8 +44,7 @@ def install():
     its rank threads start. Stays installed: it does nothing where a process runs one rank."""
     import torch_xla._internal.pjrt as pjrt
 
-    if not getattr(pjrt.initialize_multiprocess, "prepares_shared_process", False):
-        pjrt.initialize_multiprocess = _then_prepare(pjrt.initialize_multiprocess)
+    patching.replace(pjrt, "initialize_multiprocess", "shared process", _then_prepare)
 
 
 def _then_prepare(initialize):
@@ -56,7 +56,6 @@ def _then_prepare(initialize):
             create_counters()
             forks_one_at_a_time()
 
-    initialize_then_prepare.prepares_shared_process = True
     return initialize_then_prepare
 
 
@@ -85,14 +84,13 @@ def create_counters():
 def forks_one_at_a_time():
     """This process's ``os.fork`` (which multiprocessing calls) waits for any fork another
     of its threads has under way."""
-    fork = os.fork
-    if getattr(fork, "one_at_a_time", False):
-        return
 
-    @functools.wraps(fork)
-    def fork_one_at_a_time():
-        with _fork_lock:  # the child's copy is released as it leaves this block too
-            return fork()
+    def one_at_a_time(fork):
+        @functools.wraps(fork)
+        def fork_one_at_a_time():
+            with _fork_lock:  # the child's copy is released as it leaves this block too
+                return fork()
 
-    fork_one_at_a_time.one_at_a_time = True
-    os.fork = fork_one_at_a_time
+        return fork_one_at_a_time
+
+    patching.replace(os, "fork", "forks one at a time", one_at_a_time)

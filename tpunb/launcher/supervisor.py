@@ -14,7 +14,7 @@ import time
 import warnings
 from typing import TYPE_CHECKING
 
-from tpunb import compile_watch, device_memory, history, live, platform
+from tpunb import history
 from tpunb.errors import warn
 from tpunb.launcher import (
     channel,
@@ -27,13 +27,15 @@ from tpunb.launcher import (
     shared_process,
 )
 from tpunb.launcher.messages import Ended, Raised, Returned, Steps
+from tpunb.machine import platform
+from tpunb.watch import compile_watch, device_memory, live
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
     from typing import Any
 
-    from tpunb.compile_summary import CompileSummary
     from tpunb.history import History
+    from tpunb.watch.compile_summary import CompileSummary
 
 HANG_CHECK_SECONDS = 0.1
 # Ranks that the simulation's checks stopped (RankEnded, CollectiveMismatch) did not fail:

@@ -21,11 +21,13 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
-from tpunb import cores as core_layout
-from tpunb import hardware, platform, upstream, versions
+from tpunb import hardware, upstream
 from tpunb.environment import env
 from tpunb.errors import TpunbError, check_count
+from tpunb.machine import cores as core_layout
+from tpunb.machine import platform
 from tpunb.simulation import torchrun, tpu_answers
+from tpunb.upstream import versions
 
 if TYPE_CHECKING:
     from tpunb.environment import Environment

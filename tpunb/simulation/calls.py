@@ -3,8 +3,8 @@ and the errors that name calls (``CollectiveMismatch``, ``RankEnded``)."""
 
 import time
 
-from tpunb import program_lines
 from tpunb.errors import CollectiveMismatch, RankEnded
+from tpunb.wording import program_lines
 
 # At a collective that can never complete (the ranks' calls differ, or a rank it needs has
 # ended) a simulated rank raises at once. With this False it waits as a TPU's would, until

@@ -21,9 +21,8 @@ import torch_xla
 import torch_xla.core.xla_model as xm
 import torch_xla.runtime as xr
 
-from tpunb import cores, patching, step_hooks
-from tpunb.collective_calls import describe
 from tpunb.errors import RankEnded
+from tpunb.machine import cores
 from tpunb.simulation import random_state, rank_cpu
 from tpunb.simulation.calls import (  # noqa: F401 (CollectiveMismatch: its home for users)
     Caller,
@@ -32,7 +31,8 @@ from tpunb.simulation.calls import (  # noqa: F401 (CollectiveMismatch: its home
     never_completes,
     unmatched,
 )
-from tpunb.upstream import COLLECTIVE_PRIMITIVES
+from tpunb.upstream import COLLECTIVE_PRIMITIVES, patching, step_hooks
+from tpunb.watch.collective_calls import describe
 
 # xm.all_reduce's default path is the C++ op torch.ops._c10d_functional.all_reduce
 # (functional_collectives.py).

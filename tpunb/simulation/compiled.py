@@ -39,6 +39,8 @@ them (collectives.py), as their own graph.
 import functools
 import threading
 
+from tpunb.upstream import patching
+
 _tracing = threading.local()
 
 
@@ -47,18 +49,13 @@ def install():
     import torch.fx._symbolic_trace as symbolic_trace
     import torch_xla._dynamo.dynamo_bridge as bridge
 
-    if getattr(bridge.extract_compiled_graph, "one_rank_at_a_time", False):
-        return
-    bridge.extract_compiled_graph = _one_at_a_time(bridge.extract_compiled_graph)
-    runtime_wrappers.get_metrics_context = _holding_the_compile_lock(
-        runtime_wrappers.get_metrics_context
-    )
-    tracer = symbolic_trace.Tracer
-    tracer.trace = _marking_this_thread(tracer.trace)
+    patching.replace(bridge, "extract_compiled_graph", "threads", _one_at_a_time)
+    patching.replace(runtime_wrappers, "get_metrics_context", "threads", _holding_the_compile_lock)
+    patching.replace(symbolic_trace.Tracer, "trace", "threads", _marking_this_thread)
     # torch 2.9's dynamo asks is_fx_symbolic_tracing, torch 2.8's is_fx_tracing.
     for name in ("is_fx_tracing", "is_fx_symbolic_tracing"):
         if hasattr(symbolic_trace, name):
-            setattr(symbolic_trace, name, _in_this_thread(getattr(symbolic_trace, name)))
+            patching.replace(symbolic_trace, name, "threads", _in_this_thread)
 
 
 def _one_at_a_time(extract):
@@ -73,7 +70,6 @@ def _one_at_a_time(extract):
                 model._extracted_by_tpunb = extracted
             return extracted
 
-    extract_compiled_graph.one_rank_at_a_time = True
     return extract_compiled_graph
 
 

@@ -47,8 +47,8 @@ import warnings
 
 import torch
 
-from tpunb import patching
 from tpunb.errors import TpunbError
+from tpunb.upstream import patching
 
 _extraction = threading.local()  # per rank thread: inside the openxla backend's extraction
 _library = []  # the registration: kept alive, or torch drops the kernels
@@ -70,9 +70,9 @@ def install():
         for name, kernel in _KERNELS.items():
             library.impl(name, kernel, "XLA", allow_override=True)
     _library.append(library)
-    bridge.extract_compiled_graph_helper = _extracting(bridge.extract_compiled_graph_helper)
+    patching.replace(bridge, "extract_compiled_graph_helper", "collectives between", _extracting)
     for collector in (bridge.UnsupportedNodesCollector, bridge.InputCollector):
-        collector.run_node = _leaving_collectives_out(collector.run_node)
+        patching.replace(collector, "run_node", "collectives between", _leaving_collectives_out)
     patching.replace(bridge, "extract_graph_helper", "parts-that-copy", _copies_compiled)
     patching.replace(torch_xla._XLAC, "_get_graph_hash", "parts-that-copy", _hash_of_copies)
 

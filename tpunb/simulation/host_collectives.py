@@ -29,19 +29,12 @@ import torch_xla
 import torch_xla.core.xla_model as xm
 import torch_xla.runtime as xr
 
-from tpunb import patching, step_hooks
-from tpunb.collective_calls import describe
 from tpunb.errors import RankEnded
 from tpunb.simulation.calls import Caller, mismatch, never_completes, unmatched
+from tpunb.simulation.host_reductions import each, group_of, reduced
+from tpunb.upstream import patching, step_hooks
+from tpunb.watch.collective_calls import describe
 
-_REDUCE = {
-    xm.REDUCE_SUM: torch.add,
-    xm.REDUCE_MUL: torch.mul,
-    xm.REDUCE_AND: torch.bitwise_and,
-    xm.REDUCE_OR: torch.bitwise_or,
-    xm.REDUCE_MIN: torch.minimum,
-    xm.REDUCE_MAX: torch.maximum,
-}
 # The counters torch_xla's C++ primitives count as they trace (each binding's
 # TORCH_LAZY_FN_COUNTER_TIMED_TRACING("xla::") in
 # https://github.com/pytorch/xla/blob/v2.9.0/torch_xla/csrc/init_python_bindings.cpp), which
@@ -178,27 +171,6 @@ def _tensors(shared, like):
     return tensors
 
 
-def _group(groups):
-    """The ranks this rank's collective runs among, in the groups' order."""
-    rank = xr.global_ordinal()
-    if not groups:
-        return list(range(xr.world_size()))
-    for group in groups:
-        if rank in group:
-            return list(group)
-    raise ValueError(f"rank {rank} is in none of the replica groups {groups}")
-
-
-def _reduced(reduce_type, values, scale):
-    """The ranks' ``values`` reduced in rank order, into a new tensor."""
-    result, reduce = values[0].clone(), _REDUCE[reduce_type]
-    for value in values[1:]:
-        reduce(result, value, out=result)
-    if scale != 1.0:  # as XLA scales: by the scale in the values' own dtype
-        result = result * torch.tensor(scale, dtype=result.dtype)
-    return result
-
-
 def _to_device(tensors):
     """The host ``tensors`` on this rank's device, in one transfer."""
     device = torch_xla._XLAC._xla_get_default_device()
@@ -223,11 +195,6 @@ def _become(outputs, results):
         torch_xla._XLAC._replace_xla_tensor(output, result)
 
 
-def _each(inputs, shared, group, compute):
-    """``compute(values)`` for each input, from the group members' copies of it."""
-    return [compute([shared[member][i] for member in group]) for i in range(len(inputs))]
-
-
 # The primitives, by their torch_xla signatures (init_python_bindings.cpp, v2.9.0).
 
 
@@ -240,12 +207,12 @@ def all_reduce_inplace(reduce_type, inputs, scale, groups, pin_layout):
 
 
 def _all_reduced(reduce_type, inputs, scale, groups):
-    reduce = functools.partial(_reduced, reduce_type, scale=scale)
-    return _each(inputs, _share(inputs), _group(groups), reduce)
+    reduce = functools.partial(reduced, reduce_type, scale=scale)
+    return each(inputs, _share(inputs), group_of(groups), reduce)
 
 
 def _gathered(inputs, dim, groups):
-    return _each(inputs, _share(inputs), _group(groups), lambda values: torch.cat(values, dim))
+    return each(inputs, _share(inputs), group_of(groups), lambda values: torch.cat(values, dim))
 
 
 def all_gather(input, dim, shard_count, groups, pin_layout, channel_id=None, ids=None):
@@ -268,15 +235,15 @@ def all_gather_coalesced_out(outputs, inputs, token, dim, shard_count, groups, p
 
 def _scattered(reduce_type, inputs, scale, dim, shard_count, groups):
     shared = _share(inputs)
-    group = _group(groups)
+    group = group_of(groups)
     index = group.index(xr.global_ordinal())
 
     def shard(values):
-        reduced = _reduced(reduce_type, values, scale)
-        size = reduced.shape[dim] // shard_count
-        return reduced.narrow(dim, index * size, size).contiguous()
+        whole = reduced(reduce_type, values, scale)
+        size = whole.shape[dim] // shard_count
+        return whole.narrow(dim, index * size, size).contiguous()
 
-    return _each(inputs, shared, group, shard)
+    return each(inputs, shared, group, shard)
 
 
 def reduce_scatter(reduce_type, input, token, scale, dim, shard_count, groups, pin_layout, *ids):
@@ -301,7 +268,7 @@ def reduce_scatter_coalesced_out(
 
 def all_to_all(input, token, split_dim, concat_dim, split_count, groups, pin_layout):
     shared = _share([input])
-    group = _group(groups)
+    group = group_of(groups)
     index = group.index(xr.global_ordinal())
     size = input.shape[split_dim] // split_count
     pieces = [shared[member][0].narrow(split_dim, index * size, size) for member in group]

@@ -22,12 +22,10 @@ larger one (its name's last number grows); the old one is unlinked at once.
 
 Point-to-point messages (``xm.send``, ``xm.recv``) go through the store (``post``, ``take``).
 
-A rank that ends says so in the store (``end``), and sets the key of the round it will
-never reach: the ranks waiting there stop with ``RankEnded``, naming it and carrying its
-exception when it can be pickled, as on the threads. A rank that is killed says nothing:
-the meeting, which looks at the rank processes twice a second, says it for it. The
-launching process unlinks every segment of the meeting as it closes, those of killed ranks
-too.
+A rank that ends says so in the store (``end``) and sets the key of the round it will never
+reach: the ranks waiting there stop with ``RankEnded``, naming it (with its exception when
+it pickles). For a killed rank the meeting, looking at the processes twice a second, says
+it. The launching process unlinks every segment of the meeting as it closes.
 """
 
 import contextlib
@@ -43,6 +41,7 @@ from multiprocessing import resource_tracker, shared_memory
 import numpy as np
 
 from tpunb.errors import RankEnded
+from tpunb.upstream import patching
 
 MEETING = "TPUNB_SIMULATION_MEETING"  # "host:port:prefix", set by the launching process
 # The directory, per rank: for each of its two segments the generation and the lengths of
@@ -62,12 +61,15 @@ def _untracked(name, create=False, size=0):
     try:
         return shared_memory.SharedMemory(name, create=create, size=size, track=False)
     except TypeError:  # Python < 3.13
-        register = resource_tracker.register
-        resource_tracker.register = lambda name, rtype: None
-        try:
+        with patching.during(resource_tracker, ["register"], "untracked", _registering_nothing):
             return shared_memory.SharedMemory(name, create=create, size=size)
-        finally:
-            resource_tracker.register = register
+
+
+def _registering_nothing(_, register):
+    def register_nothing(name, rtype):
+        pass
+
+    return register_nothing
 
 
 def _unlink(name):

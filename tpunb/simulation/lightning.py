@@ -18,7 +18,7 @@ import importlib.abc
 import importlib.util
 import sys
 
-from tpunb import patching
+from tpunb.upstream import patching
 
 
 def install():
@@ -47,7 +47,7 @@ def _patch_launcher(module):
 
 
 def _collecting_the_trained_weights(upstream):
-    from tpunb.lightning_weights import trained_weights_back
+    from tpunb.launcher.lightning_weights import trained_weights_back
 
     def _collect_rank_zero_results(self, trainer, results):
         return trained_weights_back(upstream, self, trainer, results)

@@ -26,11 +26,12 @@ import torch_xla
 import torch_xla.core.xla_model as xm
 import torch_xla.runtime as xr
 
-from tpunb import cores, patching
-from tpunb.collective_calls import among_some, describe
 from tpunb.errors import CollectiveMismatch, RankEnded
+from tpunb.machine import cores
 from tpunb.simulation import host_collectives
 from tpunb.simulation.calls import Caller, unmatched
+from tpunb.upstream import patching
+from tpunb.watch.collective_calls import among_some, describe
 
 _mailboxes = collections.defaultdict(collections.deque)
 _arrived = threading.Condition()
@@ -38,7 +39,8 @@ _POLL = 0.05  # seconds between a receiver's looks at whether its sender has end
 
 
 def install():
-    xm.send, xm.recv = send, recv
+    patching.replace(xm, "send", "host memory", lambda _: send)
+    patching.replace(xm, "recv", "host memory", lambda _: recv)
     patching.replace(torch_xla._XLAC, "_xla_collective_permute", "among some", _among_some_of)
 
 

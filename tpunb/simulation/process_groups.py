@@ -14,7 +14,7 @@ import os
 
 import torch.distributed.distributed_c10d as c10d
 
-from tpunb import cores
+from tpunb.machine import cores
 
 
 class WorldOfEachRank:

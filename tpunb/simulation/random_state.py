@@ -24,8 +24,9 @@ import warnings
 
 import torch
 
-from tpunb import cores, patching
 from tpunb.errors import TpunbWarning
+from tpunb.machine import cores
+from tpunb.upstream import patching
 
 WAIT = 30.0  # seconds a rank waits for another rank's setup to finish drawing
 

@@ -48,7 +48,7 @@ def after_sync():
     if not met.metric_data("ExecuteTime"):
         return
     _thread.placed = True
-    from tpunb import cores
+    from tpunb.machine import cores
 
     cpus = os.sched_getaffinity(0)  # on Linux, of the calling thread
     if len(cpus) == CONFINED_ON and cores.ranks_in_this_process() > 1:

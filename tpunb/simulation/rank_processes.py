@@ -24,9 +24,10 @@ are its own, as on a TPU: nothing else is patched for them.
 import functools
 import os
 
-from tpunb import cores
 from tpunb.errors import RankEnded
+from tpunb.machine import cores
 from tpunb.simulation import host_collectives, host_exchange, point_to_point, tpu_answers
+from tpunb.upstream import patching
 
 _PROCESS_RANK, _PROCESS_COUNT = "PJRT_LOCAL_PROCESS_RANK", "PJRT_LOCAL_PROCESS_COUNT"
 
@@ -35,13 +36,11 @@ def install():
     import torch_xla._internal.pjrt as pjrt
     import torch_xla.runtime as xr
 
-    if getattr(pjrt.run_multiprocess, "opens_a_meeting", False):
-        return
-    pjrt.run_multiprocess = _meeting_around(pjrt.run_multiprocess)
-    pjrt._run_thread_per_device = _as_a_rank_process(pjrt._run_thread_per_device)
+    patching.replace(pjrt, "run_multiprocess", "processes", _meeting_around)
+    patching.replace(pjrt, "_run_thread_per_device", "processes", _as_a_rank_process)
     for name in ("process_index", "process_count", "global_device_count"):
-        setattr(xr, name, _as_on_a_v5e(name, getattr(xr, name)))
-    xr.global_runtime_device_count = xr.global_device_count
+        patching.replace(xr, name, "processes", functools.partial(_as_on_a_v5e, name))
+    patching.replace(xr, "global_runtime_device_count", "processes", _as_global_device_count)
     host_collectives.install()
     point_to_point.install()
 
@@ -56,7 +55,6 @@ def _meeting_around(run_multiprocess):
         with host_exchange.meeting(tpu.num_local_processes()):
             return run_multiprocess(fn, *args, start_method=start_method, **kwargs)
 
-    meeting_around.opens_a_meeting = True
     return meeting_around
 
 
@@ -116,6 +114,16 @@ def become_rank(local_rank, local_world_size, address=None):
     exchange = host_exchange.Exchange(local_rank, local_world_size, address)
     host_collectives.start(exchange)
     return exchange
+
+
+def _as_global_device_count(global_runtime_device_count):
+    import torch_xla.runtime as xr
+
+    @functools.wraps(global_runtime_device_count)
+    def global_device_count():
+        return xr.global_device_count()
+
+    return global_device_count
 
 
 def _as_on_a_v5e(name, original):

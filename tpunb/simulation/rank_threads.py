@@ -14,16 +14,16 @@ ended first, as if it had been the only one.
 
 import functools
 
-from tpunb import cores
 from tpunb.errors import RankEnded
+from tpunb.machine import cores
 from tpunb.simulation import collectives, random_state, rank_cpu, tpu_answers
+from tpunb.upstream import patching
 
 
 def install():
     import torch_xla._internal.pjrt as pjrt
 
-    if not getattr(pjrt._run_thread_per_device, "tells_the_collectives", False):
-        pjrt._run_thread_per_device = _telling_the_collectives(pjrt._run_thread_per_device)
+    patching.replace(pjrt, "_run_thread_per_device", "threads", _telling_the_collectives)
 
 
 def _telling_the_collectives(run_threads):
@@ -56,5 +56,4 @@ def _telling_the_collectives(run_threads):
                 raise
             raise stopped.cause from None
 
-    run_thread_per_device.tells_the_collectives = True
     return run_thread_per_device

@@ -11,7 +11,7 @@ own start-up. Its children get the simulation the same way.
 import functools
 import multiprocessing.spawn
 
-from tpunb import patching
+from tpunb.upstream import patching
 
 
 def install(cores, instead_of_tpu, layout):

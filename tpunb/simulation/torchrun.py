@@ -19,8 +19,8 @@ import sys
 import tempfile
 import time
 
-from tpunb import patching
 from tpunb.errors import TpunbError
+from tpunb.upstream import patching
 
 _WAIT = 120  # seconds a rank waits for local rank 0 to open the meeting
 _rank = {"error": None}

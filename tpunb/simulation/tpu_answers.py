@@ -33,6 +33,8 @@ message); the runtime's device attributes and memory statistics; libtpu (never l
 import functools
 import os
 
+from tpunb.upstream import patching
+
 _RUNTIME_DEVICE = "CPU"
 # What only a TPU's runtime can take, kept out of the runtime's copy: with
 # ENABLE_COLLECTIVE_MATMUL_IN_MP the runtime compiles every graph with TPU compiler options
@@ -65,7 +67,7 @@ def set_environment(cores, processes):
     Before torch_xla is imported: it selects a device at import if none is set."""
     global _devices_per_process
     _devices_per_process = cores // processes
-    os.putenv = _runtime_stays_on_the_cpu
+    patching.replace(os, "putenv", "runtime on the cpu", lambda _: _runtime_stays_on_the_cpu)
     os.environ.update(environment(cores, processes))
     runtime_reads_cpu()
 
@@ -78,9 +80,8 @@ def install(cores):
     import torch_xla._internal.tpu as tpu
     import torch_xla.core.xla_model as xm
 
-    tpu.num_available_chips = _chips(cores)
-    if not getattr(xm.xla_device_hw, "answers_tpu", False):
-        xm.xla_device_hw = _as_tpu(xm.xla_device_hw)
+    patching.replace(tpu, "num_available_chips", "simulated chips", lambda _: _chips(cores), True)
+    patching.replace(xm, "xla_device_hw", "a TPU", _as_tpu)
 
 
 def runtime_reads_cpu():
@@ -118,5 +119,4 @@ def _as_tpu(xla_device_hw):
         hardware = xla_device_hw(device)
         return "TPU" if hardware == _RUNTIME_DEVICE else hardware
 
-    tpu_hardware.answers_tpu = True
     return tpu_hardware

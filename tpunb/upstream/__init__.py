@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import importlib
 
-from tpunb import versions
 from tpunb.errors import TpunbError
+from tpunb.upstream import versions
 
 # The primitives every Python collective (xm.*, torch.distributed's XLA backend,
 # torch_xla.core.functions, SyncBatchNorm) reaches, which both simulation layouts replace

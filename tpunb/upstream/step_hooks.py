@@ -31,7 +31,7 @@ import sys
 import threading
 import types
 
-from tpunb import patching
+from tpunb.upstream import patching
 
 _hooks = {"before": [], "dispatched": [], "after": []}
 _callers = threading.local()  # .stack: the modules that called the syncs under way here

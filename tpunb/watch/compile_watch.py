@@ -9,8 +9,9 @@ from __future__ import annotations
 import collections
 import dataclasses
 
-from tpunb import compile_causes, reports
-from tpunb.compile_summary import CompileSummary
+from tpunb.watch import compile_causes
+from tpunb.watch.compile_summary import CompileSummary
+from tpunb.wording import reports
 
 # Steps whose compilations are expected: the sync before the first batch, the first
 # training step, and the second, where optimizers such as Adam add their state.

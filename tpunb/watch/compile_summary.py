@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from tpunb import reports
+from tpunb.wording import reports
 
 
 @dataclasses.dataclass(frozen=True, repr=False)

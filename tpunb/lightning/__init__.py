@@ -24,10 +24,11 @@ import logging
 import multiprocessing
 from typing import TYPE_CHECKING
 
-from tpunb import migration, upstream
+from tpunb import upstream
 from tpunb.errors import TpunbError
 from tpunb.launcher import base, one_core, preflight, rank, supervisor
-from tpunb.lightning_weights import trained_weights_back
+from tpunb.launcher.lightning_weights import trained_weights_back
+from tpunb.wording import migration
 
 if importlib.util.find_spec("lightning") is None:
     raise TpunbError(
@@ -41,7 +42,7 @@ from lightning.pytorch.strategies.launchers.xla import _XLALauncher  # noqa: E40
 from lightning.pytorch.trainer.states import TrainerFn  # noqa: E402
 from lightning.pytorch.utilities.rank_zero import rank_zero_only  # noqa: E402
 
-from tpunb.lightning_callback import LiveCallback  # noqa: E402
+from tpunb.lightning.callback import LiveCallback  # noqa: E402
 
 __all__ = ["LiveCallback", "OneCoreXLAStrategy", "trainer"]
 

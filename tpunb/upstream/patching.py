@@ -7,10 +7,12 @@ simulation's only after ``tpunb.simulate``."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import contextlib
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 _PATCH = "__tpunb_patch__"  # on a replacement: (the patch's name, what it replaced)
+_INHERITED = object()  # an attribute the owner only inherits (torch.Tensor's C methods)
 
 
 def replace(
@@ -33,6 +35,28 @@ def replace(
     for owner in owners:
         setattr(owner, name, replacement)
     return replacement
+
+
+@contextlib.contextmanager
+def during(
+    owner: Any, names: Iterable[str], patch: str, make: Callable[[str, Any], Any]
+) -> Iterator[None]:
+    """For the duration: each of ``names`` of ``owner`` replaced by ``make(name, current)``,
+    as ``replace`` does; afterwards what was there before, an inherited attribute
+    inherited again. The launch's patches, in place while a launch runs."""
+    names = tuple(names)
+    saved = {name: vars(owner).get(name, _INHERITED) for name in names}
+    try:
+        for name in names:
+            replace(owner, name, patch, lambda current, name=name: make(name, current))
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is _INHERITED:
+                if name in vars(owner):
+                    delattr(owner, name)
+            else:
+                setattr(owner, name, value)
 
 
 def patches(value: Any) -> Iterator[str]:

@@ -2,7 +2,7 @@
 fix. The watch (``compile_watch.py``) decides when a cause is one; this module has the
 words."""
 
-from tpunb import reports
+from tpunb.wording import reports
 
 # Why an op runs on the CPU, for the ops training code triggers most.
 _FALLBACK_CAUSES = {

@@ -10,8 +10,9 @@ one process (``layout="threads"``).
 import dataclasses
 import os
 
-from tpunb import hardware, platform
+from tpunb import hardware
 from tpunb.errors import TpunbError, check_count
+from tpunb.machine import platform
 
 _simulated = None  # cores set by tpunb.simulate, in this process and the ones it forks
 

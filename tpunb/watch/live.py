@@ -11,9 +11,11 @@ import importlib.util
 import io
 import time
 
-from tpunb import platform, plots, versions
+from tpunb import plots
 from tpunb.errors import TpunbError, warn
-from tpunb.snapshot import Snapshot
+from tpunb.machine import platform
+from tpunb.upstream import versions
+from tpunb.watch.snapshot import Snapshot
 
 MODES = ("auto", "widgets", "text", "off")
 PROGRESS_SECONDS = 0.5  # widgets: the progress line is redrawn at most this often
