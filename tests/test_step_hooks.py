@@ -9,7 +9,7 @@ from tpunb.upstream import patching, step_hooks
 def test_the_installed_sync_is_rebuilt_from_its_own_body():
     upstream = patching.upstream(torch_xla.sync)
     assert step_hooks.knows(upstream)
-    rebuilt = step_hooks._hooked(upstream)
+    rebuilt = step_hooks.hooked("sync", upstream)
     assert rebuilt.__code__ is upstream.__code__  # its frames: torch_xla's own file and lines
 
 
@@ -26,7 +26,7 @@ def test_a_sync_body_it_does_not_know_gets_every_hook_around_the_whole_call():
         after=lambda caller: events.append(("after", caller)),
     )
     try:
-        step_hooks._hooked(another_release_sync)(wait=True)
+        step_hooks.hooked("sync", another_release_sync)(wait=True)
     finally:
         step_hooks.remove(handle)
     assert events == [
@@ -44,4 +44,4 @@ def test_a_body_with_the_hooked_calls_out_of_order_is_not_rebuilt():
         xm.is_master_ordinal()
 
     assert not step_hooks.knows(reordered)
-    assert step_hooks._hooked(reordered).__wrapped__ is reordered
+    assert step_hooks.hooked("sync", reordered).__wrapped__ is reordered

@@ -37,9 +37,10 @@ def _used():
         for pattern, module in aliases.items():
             # "pjrt.py", "dynamo_bridge.py": a file named in a docstring
             used |= {(module, name) for name in re.findall(pattern, text) if name != "py"}
-    from tpunb.simulation import collectives, host_collectives
+    from tpunb.simulation import host_collectives
+    from tpunb.upstream import registry
 
-    primitives = set(collectives.COLLECTIVE_PRIMITIVES) | set(host_collectives._PRIMITIVES)
+    primitives = set(registry.COLLECTIVE_PRIMITIVES) | set(host_collectives._PRIMITIVES)
     return used | {("torch_xla._XLAC", name) for name in primitives}
 
 
@@ -84,8 +85,6 @@ def test_a_patch_is_made_once_stacks_on_another_and_keeps_the_upstream_function(
     patching.replace(owner, "f", "add ten", adding(10))  # on top of it
     assert owner.f(0) == 11 and list(patching.patches(owner.f)) == ["add ten", "add one"]
     assert patching.upstream(owner.f) is upstream
-    patching.replace(owner, "f", "add ten", adding(20), renew=True)  # made again
-    assert owner.f(0) == 21 and list(patching.patches(owner.f)) == ["add ten", "add one"]
 
 
 class _Base:
@@ -118,3 +117,112 @@ def test_the_launchs_patches_are_put_back_as_they_were_also_on_an_error():
     assert (owner.read(), owner.write()) == ("base", "owner")
     assert "read" not in vars(_Owner)  # inherited again, not copied down
     assert list(patching.patches(_Owner.write)) == []
+
+
+def test_every_patch_in_the_registry_has_its_maker_and_its_upstream_names():
+    from tpunb.upstream import registry
+
+    absent = []
+    for patch in registry.PATCHES:
+        if patch.when_imported:  # Lightning's: checked by the LIGHTNING list
+            continue
+        if patch.make is not None and not callable(registry._resolve(patch.make)):
+            absent.append(patch.make)
+        for owner in patch.owners:
+            found = [hasattr(registry._resolve(owner), name) for name in patch.attributes()]
+            if not (any(found) if patch.optional else all(found)):
+                absent.append(f"{owner}: {patch.attributes()}")
+    assert absent == []
+
+
+def _chains():
+    """The patches on the attributes that differ between the layouts, outermost first."""
+    import torch.distributed.distributed_c10d as c10d
+    import torch_xla
+    import torch_xla._internal.pjrt as pjrt
+    import torch_xla.core.xla_model as xm
+
+    from tpunb.upstream import patching
+
+    return (
+        list(patching.patches(xm.all_reduce)),
+        list(patching.patches(torch_xla._XLAC._xla_collective_permute)),
+        list(patching.patches(pjrt._run_thread_per_device)),
+        list(patching.patches(c10d._world)),
+    )
+
+
+def test_each_layout_is_its_set_of_patches_and_none_of_the_others():
+    processes = (["on the host"], ["among some", "on the host"], ["a rank process"], [])
+    threads = (
+        ["own graph"],
+        ["among some", "own graph"],
+        ["rank threads"],
+        ["a world for each rank"],
+    )
+    tpunb.simulate(cores=8, layout="processes")
+    assert _chains() == processes
+    tpunb.simulate(cores=8, layout="threads")
+    assert _chains() == threads
+    tpunb.simulate(cores=8, layout="threads")  # installed once
+    assert _chains() == threads
+    tpunb.simulate(cores=8, layout="processes")
+    assert _chains() == processes
+
+
+def _upstream_names(tree):
+    """The names a module binds to modules and classes it imports from outside tpunb."""
+    import ast
+
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            module = getattr(node, "module", None) or ""
+            if module.startswith("tpunb") or getattr(node, "level", 0):
+                continue
+            names |= {
+                alias.asname or alias.name.split(".")[0]
+                for alias in node.names
+                if not alias.name.startswith("tpunb")
+            }
+    return names
+
+
+# Assignments that replace nothing: the command line a program run by ``python -m
+# tpunb.simulate`` sees (as ``python -m`` sets it), and the rank Lightning's own strategies
+# give ``rank_zero_only`` as they set up.
+_NOT_PATCHES = {"sys.argv", "rank_zero_only.rank"}
+
+
+def test_no_upstream_module_or_class_is_assigned_to_outside_the_registry():
+    import ast
+
+    found = []
+    for path in SOURCE.rglob("*.py"):
+        if path.name == "patching.py":  # the registry's mechanics
+            continue
+        tree = ast.parse(path.read_text())
+        upstream_names = _upstream_names(tree)
+
+        def root(node):
+            while isinstance(node, ast.Attribute):
+                node = node.value
+            return node.id if isinstance(node, ast.Name) else None
+
+        for node in ast.walk(tree):
+            targets = []
+            if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                targets = [t for each in targets for t in getattr(each, "elts", [each])]
+                targets = [t for t in targets if isinstance(t, ast.Attribute)]
+            elif isinstance(node, ast.Call) and getattr(node.func, "id", None) in (
+                "setattr",
+                "delattr",
+            ):
+                targets = node.args[:1]
+            found += [
+                f"{path.relative_to(SOURCE)}:{node.lineno}"
+                for target in targets
+                if root(target) in upstream_names and ast.unparse(target) not in _NOT_PATCHES
+            ]
+    assert found == []

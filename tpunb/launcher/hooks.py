@@ -16,7 +16,7 @@ afterwards."""
 import contextlib
 
 from tpunb.launcher import heartbeat, ledger, process_counters, reads, recorder
-from tpunb.upstream import patching, step_hooks
+from tpunb.upstream import registry, step_hooks
 
 # Its extract_graph_helper and extract_compiled_graph_helper call torch_xla.sync() to
 # materialize the compiled graph's inputs.
@@ -50,41 +50,40 @@ def _on_collective(name, args, kwargs, frame):
         recording.collective(name, args, kwargs, frame)
 
 
+def recorded_batches(_, next_batch):
+    """The registry's maker: the per-device loader's ``next``, recording each batch."""
+
+    def next_batch_recorded(self):
+        __tracebackhide__ = True  # a rank's traceback shows the program's loop, not this
+        batch = next_batch(self)
+        recording = recorder.current()
+        if recording is not None:
+            recording.batch(batch, self)
+        return batch
+
+    return next_batch_recorded
+
+
+def excused(name, helper):
+    """The registry's maker: a helper of xm whose reads of device values are excused."""
+    if name == "add_step_closure":
+        # A closure runs after the step's sync, on computed values: its .item() cuts
+        # no graph.
+        def add_excused_step_closure(closure, *args, **kwargs):
+            return helper(process_counters.excusing(closure), *args, **kwargs)
+
+        return add_excused_step_closure
+    # xm.rendezvous and xm.mesh_reduce call it; it reads the gathered sizes after a sync.
+    return process_counters.excusing(helper)
+
+
 @contextlib.contextmanager
 def installed():
-    import torch_xla.core.xla_model as xm
-    import torch_xla.distributed.parallel_loader as pl
-
-    def next_recorded(next_batch):
-        def next_batch_recorded(self):
-            __tracebackhide__ = True  # a rank's traceback shows the program's loop, not this
-            batch = next_batch(self)
-            recording = recorder.current()
-            if recording is not None:
-                recording.batch(batch, self)
-            return batch
-
-        return next_batch_recorded
-
-    def excused(name, helper):
-        if name == "add_step_closure":
-            # A closure runs after the step's sync, on computed values: its .item() cuts
-            # no graph.
-            def add_excused_step_closure(closure, *args, **kwargs):
-                return helper(process_counters.excusing(closure), *args, **kwargs)
-
-            return add_excused_step_closure
-        # xm.rendezvous and xm.mesh_reduce call it; it reads the gathered sizes after a sync.
-        return process_counters.excusing(helper)
-
-    syncs = step_hooks.add(before=_before_sync, after=_after_sync)
-    helpers = ("add_step_closure", "xla_rendezvous")
+    syncs = registry.add_step_hooks(before=_before_sync, after=_after_sync)
     try:
         with (
-            patching.during(
-                pl.PerDeviceLoader, ["next"], "launch: batches", lambda _, f: next_recorded(f)
-            ),
-            patching.during(xm, helpers, "launch: excused reads", excused),
+            registry.during("launch: batches"),
+            registry.during("launch: excused reads"),
             reads.watched(_on_read),
             ledger.recorded(_on_collective),
         ):

@@ -31,7 +31,7 @@ import typing
 
 from tpunb.errors import RankError
 from tpunb.launcher.failures import span
-from tpunb.upstream import patching
+from tpunb.upstream import registry
 from tpunb.watch import collective_calls
 from tpunb.wording import program_lines
 
@@ -241,28 +241,29 @@ def recorded(on_call):
     """For the duration: every outermost call of a ``RECORDED`` collective, outside a
     ``torch.compile``d function, calls ``on_call(name, args, kwargs, frame)`` in the
     calling thread before it runs (``frame``: its caller's)."""
-    import torch
-    import torch_xla.core.xla_model as xm
-
-    def wrapped(name, collective):
-        def call(*args, **kwargs):
-            if torch.compiler.is_compiling():  # dynamo traces the collective alone
-                return collective(*args, **kwargs)
-            if getattr(_inside, "depth", 0) == 0 and not _point_to_point(name, args, kwargs):
-                on_call(name, args, kwargs, sys._getframe(1))
-            _inside.depth = getattr(_inside, "depth", 0) + 1
-            try:
-                return collective(*args, **kwargs)
-            finally:
-                _inside.depth -= 1
-
-        call.__name__ = call.__qualname__ = name
-        call.__doc__ = collective.__doc__
-        call.__wrapped__ = collective
-        return call
-
-    with patching.during(xm, RECORDED, "launch: the ledger", wrapped):
+    with registry.during("launch: the ledger", on_call):
         yield
+
+
+def recording(name, collective, on_call):
+    """The registry's maker: ``xm.<name>`` calling ``on_call`` first, as ``recorded`` says."""
+    import torch
+
+    def call(*args, **kwargs):
+        if torch.compiler.is_compiling():  # dynamo traces the collective alone
+            return collective(*args, **kwargs)
+        if getattr(_inside, "depth", 0) == 0 and not _point_to_point(name, args, kwargs):
+            on_call(name, args, kwargs, sys._getframe(1))
+        _inside.depth = getattr(_inside, "depth", 0) + 1
+        try:
+            return collective(*args, **kwargs)
+        finally:
+            _inside.depth -= 1
+
+    call.__name__ = call.__qualname__ = name
+    call.__doc__ = collective.__doc__
+    call.__wrapped__ = collective
+    return call
 
 
 def _point_to_point(name, args, kwargs):

@@ -2,10 +2,11 @@
 and stopping them."""
 
 import contextlib
-import multiprocessing
 import os
 import signal
 import threading
+
+from tpunb.upstream import registry
 
 
 def descendants(pid):
@@ -54,20 +55,25 @@ def recording_children(starter):
     set in which multiprocessing registers each started process; it is swapped for a
     recording one here and put back, with its members, on the way out.
     """
-    registry = multiprocessing.process
-    original = registry._children
     started = []
+    with registry.during("launch: started processes", starter, started):
+        yield started
+
+
+def recording(_, children, starter, started):
+    """The registry's maker: multiprocessing's set of started processes, which also puts
+    those that the thread ``starter`` starts in ``started``. What it gains and loses, the
+    set it replaced does too, so putting that back loses no process."""
 
     class Recording(set):
         def add(self, process):
             if threading.current_thread() is starter:
                 started.append(process)
             super().add(process)
+            children.add(process)
 
-    registry._children = Recording(original)
-    try:
-        yield started
-    finally:
-        current, registry._children = registry._children, original
-        original.clear()
-        original.update(current)
+        def discard(self, process):
+            super().discard(process)
+            children.discard(process)
+
+    return Recording(children)

@@ -22,11 +22,11 @@ import os
 import sys
 import threading
 
-from tpunb.upstream import patching
+from tpunb.upstream import registry
 from tpunb.wording import program_lines
 
 # Method name -> how a learner writes the read.
-_READS = {
+READS = {
     "item": ".item()",
     "tolist": ".tolist()",
     "cpu": ".cpu()",
@@ -106,7 +106,10 @@ def _kind(torch_xla, tensor):
         return None
 
 
-def _wrapped(torch, name, method, on_read, libraries):
+def watching(name, method, on_read, libraries):
+    """The registry's maker: the Tensor method ``name`` calling ``on_read`` for a read that
+    cuts or waits."""
+    import torch
     import torch_xla
 
     def read(self, *args, **kwargs):
@@ -120,7 +123,7 @@ def _wrapped(torch, name, method, on_read, libraries):
             kind = _kind(torch_xla, self)  # most reads copy a value that is there: None
             where = _user_line(libraries) if kind is not None else None
             if where is not None:
-                on_read(kind, _READS[name], *where)
+                on_read(kind, READS[name], *where)
         _inside.depth = getattr(_inside, "depth", 0) + 1
         __tracebackhide__ = True  # a rank's traceback shows the program's read, not this
         try:
@@ -138,12 +141,5 @@ def watched(on_read):
     """For the duration: every read of a device value that cuts the step or waits for the
     device calls ``on_read(kind, what, file, line)`` in the reading thread (``kind``: "cut"
     or "wait", as ``_kind`` tells)."""
-    import torch
-
-    libraries = program_lines.libraries(own=False)
-
-    def wrapped(name, method):
-        return _wrapped(torch, name, method, on_read, libraries)
-
-    with patching.during(torch.Tensor, _READS, "launch: reads", wrapped):
+    with registry.during("launch: reads", on_read, program_lines.libraries(own=False)):
         yield

@@ -26,11 +26,10 @@ ranks, each of which killed launches, are taken out.
 """
 
 import functools
-import os
 import threading
 
 from tpunb.machine import cores
-from tpunb.upstream import patching
+from tpunb.upstream import registry
 
 # The ops whose first fallback is created up front: .item() / float(t) / a Python if on a
 # tensor, boolean masks and masked_select.
@@ -42,19 +41,17 @@ _fork_lock = threading.Lock()
 def install():
     """Makes every ``xmp.spawn`` process with more than one rank get ready as above before
     its rank threads start. Stays installed: it does nothing where a process runs one rank."""
-    import torch_xla._internal.pjrt as pjrt
-
-    patching.replace(pjrt, "initialize_multiprocess", "shared process", _then_prepare)
+    registry.install("shared process")
 
 
-def _then_prepare(initialize):
+def then_prepare(_, initialize):
     # Keeps initialize's name: xmp.spawn pickles it by name to send it to the processes.
     @functools.wraps(initialize)
     def initialize_then_prepare(local_rank, local_world_size):
         initialize(local_rank, local_world_size)
         if cores.ranks_in_this_process() > 1:
             create_counters()
-            forks_one_at_a_time()
+            registry.install("forks one at a time")
 
     return initialize_then_prepare
 
@@ -81,16 +78,13 @@ def create_counters():
         torch_xla._XLAC._xla_increment_counter(name, value)
 
 
-def forks_one_at_a_time():
+def one_at_a_time(_, fork):
     """This process's ``os.fork`` (which multiprocessing calls) waits for any fork another
     of its threads has under way."""
 
-    def one_at_a_time(fork):
-        @functools.wraps(fork)
-        def fork_one_at_a_time():
-            with _fork_lock:  # the child's copy is released as it leaves this block too
-                return fork()
+    @functools.wraps(fork)
+    def fork_one_at_a_time():
+        with _fork_lock:  # the child's copy is released as it leaves this block too
+            return fork()
 
-        return fork_one_at_a_time
-
-    patching.replace(os, "fork", "forks one at a time", one_at_a_time)
+    return fork_one_at_a_time

@@ -107,17 +107,14 @@ def simulate(
     upstream.check(upstream.SIMULATION, "tpunb.simulate")
 
     from tpunb.launcher import shared_process
-    from tpunb.simulation import functional_collectives, lightning, spawned
+    from tpunb.simulation import functional_collectives, lightning, rank_cpu, spawned
+    from tpunb.upstream import registry
 
-    tpu_answers.install(count)
-    if layout == "processes":
-        from tpunb.simulation import rank_processes
-
-        rank_processes.install()
-    else:
-        _install_threads()
+    spawned.set_simulation(count, instead_of_tpu, layout)
+    registry.use_layout(layout)  # the simulation's patches and the layout's, no others
     functional_collectives.install()
-    spawned.install(count, instead_of_tpu, layout)
+    if layout == "threads":
+        rank_cpu.install()
     shared_process.install()  # also for plain xmp.spawn and Lightning's launcher
     lightning.install()
     core_layout.set_simulated(count, processes)
@@ -145,26 +142,6 @@ def default_layout():
             )
         return chosen
     return "processes"
-
-
-def _install_threads():
-    from tpunb.simulation import (
-        collectives,
-        compiled,
-        point_to_point,
-        process_groups,
-        random_state,
-        rank_cpu,
-        rank_threads,
-    )
-
-    collectives.install()
-    compiled.install()
-    point_to_point.install()
-    process_groups.install()
-    random_state.install()
-    rank_threads.install()
-    rank_cpu.install()
 
 
 def set_compile_level(environ):

@@ -18,7 +18,6 @@ import threading
 
 import torch
 import torch_xla
-import torch_xla.core.xla_model as xm
 import torch_xla.runtime as xr
 
 from tpunb.errors import RankEnded
@@ -31,7 +30,6 @@ from tpunb.simulation.calls import (  # noqa: F401 (CollectiveMismatch: its home
     never_completes,
     unmatched,
 )
-from tpunb.upstream import COLLECTIVE_PRIMITIVES, patching, step_hooks
 from tpunb.watch.collective_calls import describe
 
 # xm.all_reduce's default path is the C++ op torch.ops._c10d_functional.all_reduce
@@ -40,7 +38,6 @@ from tpunb.watch.collective_calls import describe
 
 _calls = threading.local()  # per thread: a collective call under way? compiles at its sync
 _dispatch_lock = threading.Lock()
-_step_marker = [None]  # torch_xla's own, for the collectives' dispatches (under the lock)
 _rounds = {}
 _rounds_lock = threading.Lock()
 
@@ -87,20 +84,9 @@ class _Round:
             self._condition.notify_all()
 
 
-def install():
-    """Make every collective call a graph of its own that all ranks run together."""
-    if "own graph" in patching.patches(xm.all_reduce):
-        return
-    for name in COLLECTIVE_PRIMITIVES:
-        patching.replace(torch_xla._XLAC, name, "own graph", _own_graph)
-    patching.replace(xm, "all_reduce", "own graph", _own_graph)
-    _step_marker[0] = torch_xla._XLAC._xla_step_marker
-    step_hooks.add(before=_compile_alone, dispatched=_others_may_dispatch, after=_step_ended)
-
-
 def _step_ended(caller):
     """After a sync: counts the rank's steps, for the mismatch message."""
-    if cores.in_rank() and not cores.process_a_core():
+    if cores.in_rank():
         random_state.done_drawing()
         _round().steps[xr.global_ordinal()] += 1
         rank_cpu.after_sync()
@@ -126,19 +112,20 @@ def _others_may_dispatch(caller):
         _calls.compiles_at_sync = _compiles()
 
 
+# The thread layout's work at each sync (registry.LAYOUTS).
+STEP_HOOKS = {"before": _compile_alone, "dispatched": _others_may_dispatch, "after": _step_ended}
+
+
 def _compiles():
     return torch_xla._XLAC._xla_counter_value("UncachedCompile")
 
 
-def _own_graph(collective):
-    """``collective`` as a graph of its own that the ranks run together (points 1 and 2).
-    Where the process layout is simulated, after this layout was installed in the same
-    process, the call is passed on as it is, for dynamo to trace as on a TPU process."""
+def own_graph(_, collective):
+    """The registry's maker: ``collective`` as a graph of its own that the ranks run
+    together (points 1 and 2)."""
 
     @functools.wraps(collective)
     def call(*args, **kwargs):
-        if cores.process_a_core():
-            return collective(*args, **kwargs)
         return _between_graphs(collective, args, kwargs)
 
     return call
@@ -166,7 +153,7 @@ def _run_pending_work():
     with _dispatch_lock:
         # reset_scope=False: the cut is inside the user's step, maybe inside a profiler
         # scope (xp.Trace) that must still be open when the step's own sync comes.
-        _step_marker[0](
+        torch_xla._XLAC._xla_step_marker(
             torch_xla._XLAC._xla_get_default_device(), [], wait=False, reset_scope=False
         )
 
@@ -184,7 +171,7 @@ def _run_together(call):
         _wait_for_every_rank(meeting, rank)  # every rank has described its call
         _check_same_call(meeting)
         with _dispatch_lock:
-            _step_marker[0](device, [], wait=False, reset_scope=False)
+            torch_xla._XLAC._xla_step_marker(device, [], wait=False, reset_scope=False)
         _wait_for_every_rank(meeting, rank)
     except BaseException:
         caller.settle()  # another rank's error message may still name this call

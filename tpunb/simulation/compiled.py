@@ -39,26 +39,11 @@ them (collectives.py), as their own graph.
 import functools
 import threading
 
-from tpunb.upstream import patching
-
 _tracing = threading.local()
 
 
-def install():
-    import torch._functorch._aot_autograd.runtime_wrappers as runtime_wrappers
-    import torch.fx._symbolic_trace as symbolic_trace
-    import torch_xla._dynamo.dynamo_bridge as bridge
-
-    patching.replace(bridge, "extract_compiled_graph", "threads", _one_at_a_time)
-    patching.replace(runtime_wrappers, "get_metrics_context", "threads", _holding_the_compile_lock)
-    patching.replace(symbolic_trace.Tracer, "trace", "threads", _marking_this_thread)
-    # torch 2.9's dynamo asks is_fx_symbolic_tracing, torch 2.8's is_fx_tracing.
-    for name in ("is_fx_tracing", "is_fx_symbolic_tracing"):
-        if hasattr(symbolic_trace, name):
-            patching.replace(symbolic_trace, name, "threads", _in_this_thread)
-
-
-def _one_at_a_time(extract):
+# The registry's makers (its "threads" entries).
+def one_at_a_time(_, extract):
     @functools.wraps(extract)
     def extract_compiled_graph(model, *args, **kwargs):
         from torch._dynamo.convert_frame import compile_lock
@@ -73,7 +58,7 @@ def _one_at_a_time(extract):
     return extract_compiled_graph
 
 
-def _marking_this_thread(trace):
+def marking_this_thread(_, trace):
     @functools.wraps(trace)
     def marked_trace(*args, **kwargs):
         _tracing.depth = getattr(_tracing, "depth", 0) + 1
@@ -85,7 +70,7 @@ def _marking_this_thread(trace):
     return marked_trace
 
 
-def _in_this_thread(is_tracing):
+def in_this_thread(_, is_tracing):
     @functools.wraps(is_tracing)
     def is_tracing_in_this_thread():
         return getattr(_tracing, "depth", 0) > 0 and is_tracing()
@@ -93,7 +78,7 @@ def _in_this_thread(is_tracing):
     return is_tracing_in_this_thread
 
 
-def _holding_the_compile_lock(get_metrics_context):
+def holding_the_compile_lock(_, get_metrics_context):
     """``get_metrics_context`` for the lazy backward compilation (point 3): its context
     holds dynamo's compile lock while it is entered."""
     from torch._dynamo.convert_frame import compile_lock

@@ -48,7 +48,6 @@ import warnings
 import torch
 
 from tpunb.errors import TpunbError
-from tpunb.upstream import patching
 
 _extraction = threading.local()  # per rank thread: inside the openxla backend's extraction
 _library = []  # the registration: kept alive, or torch drops the kernels
@@ -57,8 +56,6 @@ _library = []  # the registration: kept alive, or torch drops the kernels
 def install():
     """Registers the kernels (point 1) and makes the backend's extraction leave the
     collectives between its graphs (point 2)."""
-    import torch_xla
-    import torch_xla._dynamo.dynamo_bridge as bridge
 
     if _library:
         return
@@ -70,14 +67,9 @@ def install():
         for name, kernel in _KERNELS.items():
             library.impl(name, kernel, "XLA", allow_override=True)
     _library.append(library)
-    patching.replace(bridge, "extract_compiled_graph_helper", "collectives between", _extracting)
-    for collector in (bridge.UnsupportedNodesCollector, bridge.InputCollector):
-        patching.replace(collector, "run_node", "collectives between", _leaving_collectives_out)
-    patching.replace(bridge, "extract_graph_helper", "parts-that-copy", _copies_compiled)
-    patching.replace(torch_xla._XLAC, "_get_graph_hash", "parts-that-copy", _hash_of_copies)
 
 
-def _copies_compiled(extract_graph_helper):
+def copies_compiled(_, extract_graph_helper):
     """The backend's extraction of one part (point 4), in which ``_get_graph_hash`` hashes
     outputs that are all device data as copies of themselves."""
 
@@ -92,7 +84,7 @@ def _copies_compiled(extract_graph_helper):
     return extract_graph_helper_compiling_copies
 
 
-def _hash_of_copies(get_graph_hash):
+def hash_of_copies(_, get_graph_hash):
     import torch_xla
 
     @functools.wraps(get_graph_hash)
@@ -111,7 +103,7 @@ def _hash_of_copies(get_graph_hash):
     return get_graph_hash_of_copies
 
 
-def _extracting(extract):
+def extracting(_, extract):
     @functools.wraps(extract)
     def extract_compiled_graph_helper(xla_model, xla_args):
         if _whole(xla_args) and _holds_a_collective(xla_model):
@@ -163,7 +155,7 @@ def _holds_a_collective(graph_module):
     return any(node.target in targets for node in graph_module.graph.nodes)
 
 
-def _leaving_collectives_out(run_node):
+def leaving_collectives_out(_, run_node):
     @functools.wraps(run_node)
     def run_node_leaving_collectives_out(self, node):
         _extraction.collecting = getattr(_extraction, "collecting", 0) + 1

@@ -26,13 +26,11 @@ import sys
 
 import torch
 import torch_xla
-import torch_xla.core.xla_model as xm
 import torch_xla.runtime as xr
 
 from tpunb.errors import RankEnded
 from tpunb.simulation.calls import Caller, mismatch, never_completes, unmatched
 from tpunb.simulation.host_reductions import each, group_of, reduced
-from tpunb.upstream import patching, step_hooks
 from tpunb.watch.collective_calls import describe
 
 # The counters torch_xla's C++ primitives count as they trace (each binding's
@@ -53,20 +51,6 @@ _original = {}
 _signature = {}  # xm.all_reduce's, read once: its calls are bound to it at every step
 
 
-def install():
-    """Replaces the collective primitives and xm.all_reduce in this process; they act as
-    before outside a rank process (``start``)."""
-    if "on the host" in patching.patches(xm.all_reduce):
-        return
-    for name, implementation in _PRIMITIVES.items():
-        patching.replace(
-            torch_xla._XLAC, name, "on the host", functools.partial(_in_ranks, name, implementation)
-        )
-    _signature["all_reduce"] = inspect.signature(xm.all_reduce)
-    patching.replace(xm, "all_reduce", "on the host", _all_reduce_one_tensor_too_of)
-    step_hooks.add(after=_step_ended)
-
-
 def start(exchange):
     """This process is a rank, meeting the others through ``exchange``."""
     _rank.update(exchange=exchange, steps=1, collectives=0)
@@ -78,11 +62,14 @@ def exchange():
 
 
 def _step_ended(caller):
+    """After a sync: counts the rank's steps."""
     _rank["steps"] += 1
 
 
-def _in_ranks(name, implementation, original):
+def in_ranks(name, original):
+    """The registry's maker: the primitive ``name`` on the host in a rank process."""
     _original[name] = original
+    implementation = _PRIMITIVES[name]
 
     @functools.wraps(original)
     def primitive(*args, **kwargs):
@@ -108,8 +95,10 @@ def _on_the_host(name, implementation, args, kwargs):
         _rank["call"] = None
 
 
-def _all_reduce_one_tensor_too_of(all_reduce):
+def all_reduce_one_tensor_too_of(_, all_reduce):
+    """The registry's maker for ``xm.all_reduce``."""
     _original["all_reduce"] = all_reduce
+    _signature["all_reduce"] = inspect.signature(all_reduce)
     return functools.wraps(all_reduce)(_all_reduce_one_tensor_too)
 
 
@@ -297,3 +286,5 @@ _PRIMITIVES = {
     "_xla_all_to_all": all_to_all,
     "_xla_collective_permute": collective_permute,
 }
+# The process layout's work at each sync (registry.LAYOUTS).
+STEP_HOOKS = {"after": _step_ended}

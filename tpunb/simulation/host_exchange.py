@@ -36,12 +36,12 @@ import struct
 import threading
 import time
 import uuid
-from multiprocessing import resource_tracker, shared_memory
+from multiprocessing import shared_memory
 
 import numpy as np
 
 from tpunb.errors import RankEnded
-from tpunb.upstream import patching
+from tpunb.upstream import registry
 
 MEETING = "TPUNB_SIMULATION_MEETING"  # "host:port:prefix", set by the launching process
 # The directory, per rank: for each of its two segments the generation and the lengths of
@@ -61,15 +61,13 @@ def _untracked(name, create=False, size=0):
     try:
         return shared_memory.SharedMemory(name, create=create, size=size, track=False)
     except TypeError:  # Python < 3.13
-        with patching.during(resource_tracker, ["register"], "untracked", _registering_nothing):
+        with registry.during("untracked"):
             return shared_memory.SharedMemory(name, create=create, size=size)
 
 
-def _registering_nothing(_, register):
-    def register_nothing(name, rtype):
-        pass
-
-    return register_nothing
+def registering_nothing(_, register):
+    """The registry's maker: a ``register`` that registers nothing."""
+    return lambda name, rtype: None
 
 
 def _unlink(name):

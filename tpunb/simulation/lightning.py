@@ -18,7 +18,7 @@ import importlib.abc
 import importlib.util
 import sys
 
-from tpunb.upstream import patching
+from tpunb.upstream import registry
 
 
 def install():
@@ -38,15 +38,12 @@ def _patch_accelerator(module):
 
 
 def _patch_launcher(module):
-    patching.replace(
-        module._XLALauncher,
-        "_collect_rank_zero_results",
-        "trained weights back",
-        _collecting_the_trained_weights,
-    )
+    registry.install("trained weights back")  # in the launcher modules imported by now
 
 
-def _collecting_the_trained_weights(upstream):
+def collecting_the_trained_weights(_, upstream):
+    """The registry's maker for the XLA launcher's ``_collect_rank_zero_results``."""
+
     from tpunb.launcher.lightning_weights import trained_weights_back
 
     def _collect_rank_zero_results(self, trainer, results):

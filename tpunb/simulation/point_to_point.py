@@ -22,15 +22,12 @@ import sys
 import threading
 
 import torch
-import torch_xla
-import torch_xla.core.xla_model as xm
 import torch_xla.runtime as xr
 
 from tpunb.errors import CollectiveMismatch, RankEnded
 from tpunb.machine import cores
 from tpunb.simulation import host_collectives
 from tpunb.simulation.calls import Caller, unmatched
-from tpunb.upstream import patching
 from tpunb.watch.collective_calls import among_some, describe
 
 _mailboxes = collections.defaultdict(collections.deque)
@@ -38,13 +35,12 @@ _arrived = threading.Condition()
 _POLL = 0.05  # seconds between a receiver's looks at whether its sender has ended
 
 
-def install():
-    patching.replace(xm, "send", "host memory", lambda _: send)
-    patching.replace(xm, "recv", "host memory", lambda _: recv)
-    patching.replace(torch_xla._XLAC, "_xla_collective_permute", "among some", _among_some_of)
+def through_host(name, _):
+    """The registry's maker for ``xm.send`` and ``xm.recv``: this module's."""
+    return send if name == "send" else recv
 
 
-def _among_some_of(permute):
+def among_some_of(_, permute):
     @functools.wraps(permute)
     def collective_permute(input, token, pairs):
         if cores.in_rank() and among_some(pairs, xr.world_size()):

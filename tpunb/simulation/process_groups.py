@@ -59,6 +59,6 @@ class WorldOfEachRank:
         return getattr(self._process_world, name)
 
 
-def install():
-    if not isinstance(c10d._world, WorldOfEachRank):
-        c10d._world = WorldOfEachRank(c10d._world)
+def world_of_each_rank(_, world):
+    """The registry's maker for ``distributed_c10d._world``."""
+    return WorldOfEachRank(world)

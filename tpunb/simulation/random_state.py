@@ -22,11 +22,8 @@ import os
 import threading
 import warnings
 
-import torch
-
 from tpunb.errors import TpunbWarning
 from tpunb.machine import cores
-from tpunb.upstream import patching
 
 WAIT = 30.0  # seconds a rank waits for another rank's setup to finish drawing
 
@@ -34,11 +31,7 @@ _holders = {}  # pid -> (lock, [ordinal holding it or None])
 _holders_lock = threading.Lock()
 
 
-def install():
-    patching.replace((torch, torch.random), "manual_seed", "seeds alone", _seeding_alone)
-
-
-def _seeding_alone(manual_seed):
+def seeding_alone(_, manual_seed):
     @functools.wraps(manual_seed)
     def seeding_alone(seed):
         if cores.in_rank():

@@ -25,45 +25,28 @@ import functools
 import os
 
 from tpunb.errors import RankEnded
-from tpunb.machine import cores
-from tpunb.simulation import host_collectives, host_exchange, point_to_point, tpu_answers
-from tpunb.upstream import patching
+from tpunb.simulation import host_collectives, host_exchange, tpu_answers
+from tpunb.upstream import registry
 
 _PROCESS_RANK, _PROCESS_COUNT = "PJRT_LOCAL_PROCESS_RANK", "PJRT_LOCAL_PROCESS_COUNT"
 
 
-def install():
-    import torch_xla._internal.pjrt as pjrt
-    import torch_xla.runtime as xr
-
-    patching.replace(pjrt, "run_multiprocess", "processes", _meeting_around)
-    patching.replace(pjrt, "_run_thread_per_device", "processes", _as_a_rank_process)
-    for name in ("process_index", "process_count", "global_device_count"):
-        patching.replace(xr, name, "processes", functools.partial(_as_on_a_v5e, name))
-    patching.replace(xr, "global_runtime_device_count", "processes", _as_global_device_count)
-    host_collectives.install()
-    point_to_point.install()
-
-
-def _meeting_around(run_multiprocess):
+# The registry's makers (its "processes" entries).
+def meeting_around(_, run_multiprocess):
     @functools.wraps(run_multiprocess)
-    def meeting_around(fn, *args, start_method="spawn", **kwargs):
+    def run_in_a_meeting(fn, *args, start_method="spawn", **kwargs):
         from torch_xla._internal import tpu
 
-        if not cores.process_a_core():  # the threads layout's (rank_threads.py)
-            return run_multiprocess(fn, *args, start_method=start_method, **kwargs)
         with host_exchange.meeting(tpu.num_local_processes()):
             return run_multiprocess(fn, *args, start_method=start_method, **kwargs)
 
-    return meeting_around
+    return run_in_a_meeting
 
 
-def _as_a_rank_process(run_threads):
+def as_a_rank_process(_, run_threads):
     # Keeps the name: xmp.spawn sends it to its processes by name.
     @functools.wraps(run_threads)
     def run_thread_per_device(local_rank, local_world_size, fn, initializer_fn):
-        if not cores.process_a_core():  # the threads layout's (rank_threads.py)
-            return run_threads(local_rank, local_world_size, fn, initializer_fn)
         exchange = become_rank(local_rank, local_world_size)
 
         @functools.wraps(fn)
@@ -100,10 +83,9 @@ def become_rank(local_rank, local_world_size, address=None):
     ``local_world_size`` as a v5e-8's process is, with its side of the meeting at
     ``address`` (the launching process's, in the environment, by default)."""
     import torch
-    import torch_xla.runtime as xr
 
     tpu_answers.runtime_reads_cpu()  # one CPU device: this process's chip
-    xr._WORLD_SIZE, xr._ORDINAL = local_world_size, local_rank
+    registry.install("a v5e process's place", local_world_size, local_rank)
     os.environ.setdefault(_PROCESS_RANK, str(local_rank))
     os.environ.setdefault(_PROCESS_COUNT, str(local_world_size))
     # One intra-op thread: a forked process whose parent ran torch's OpenMP threads
@@ -116,7 +98,7 @@ def become_rank(local_rank, local_world_size, address=None):
     return exchange
 
 
-def _as_global_device_count(global_runtime_device_count):
+def as_global_device_count(_, global_runtime_device_count):
     import torch_xla.runtime as xr
 
     @functools.wraps(global_runtime_device_count)
@@ -126,7 +108,7 @@ def _as_global_device_count(global_runtime_device_count):
     return global_device_count
 
 
-def _as_on_a_v5e(name, original):
+def as_on_a_v5e(name, original):
     @functools.wraps(original)
     def answer():
         if host_collectives.exchange() is None:  # not in a rank process

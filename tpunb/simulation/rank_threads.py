@@ -15,24 +15,15 @@ ended first, as if it had been the only one.
 import functools
 
 from tpunb.errors import RankEnded
-from tpunb.machine import cores
 from tpunb.simulation import collectives, random_state, rank_cpu, tpu_answers
-from tpunb.upstream import patching
 
 
-def install():
-    import torch_xla._internal.pjrt as pjrt
+def telling_the_collectives(_, run_threads):
+    """The registry's maker for ``_run_thread_per_device`` on the thread layout."""
 
-    patching.replace(pjrt, "_run_thread_per_device", "threads", _telling_the_collectives)
-
-
-def _telling_the_collectives(run_threads):
     # Keeps the name: xmp.spawn sends it to its processes by name.
     @functools.wraps(run_threads)
     def run_thread_per_device(local_rank, local_world_size, fn, initializer_fn):
-        if cores.process_a_core():  # the process layout's (rank_processes.py)
-            return run_threads(local_rank, local_world_size, fn, initializer_fn)
-
         @functools.wraps(fn)
         def rank():
             rank_cpu.rank_started()

@@ -9,35 +9,28 @@ own start-up. Its children get the simulation the same way.
 """
 
 import functools
-import multiprocessing.spawn
 
-from tpunb.upstream import patching
+_simulation: dict[str, object] = {}  # simulate's arguments, as the last call gave them
 
 
-def install(cores, instead_of_tpu, layout):
+def set_simulation(cores, instead_of_tpu, layout):
     """Each ``simulate`` call sets the simulation spawned children start with."""
-    patching.replace(
-        multiprocessing.spawn,
-        "get_command_line",
-        "simulating first",
-        functools.partial(
-            _simulating_first, cores=cores, instead_of_tpu=instead_of_tpu, layout=layout
-        ),
-        renew=True,
-    )
+    _simulation.update(cores=cores, instead_of_tpu=instead_of_tpu, layout=layout)
 
 
-def _simulating_first(command_line, *, cores, instead_of_tpu, layout):
+def simulating_first(_, command_line):
+    """The registry's maker for ``multiprocessing.spawn.get_command_line``."""
+
     @functools.wraps(command_line)
-    def simulating_first(**kwargs):
+    def command_simulating_first(**kwargs):
         command = command_line(**kwargs)
         if "-c" not in command:  # a frozen executable: it runs no code we could add to
             return command
         program = command.index("-c") + 1
+        arguments = ", ".join(f"{name}={value!r}" for name, value in _simulation.items())
         command[program] = (
-            f"import tpunb; tpunb.simulation.simulate(cores={cores}, "
-            f"instead_of_tpu={instead_of_tpu}, layout={layout!r}); {command[program]}"
+            f"import tpunb; tpunb.simulation.simulate({arguments}); {command[program]}"
         )
         return command
 
-    return simulating_first
+    return command_simulating_first

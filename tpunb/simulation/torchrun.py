@@ -15,12 +15,11 @@ meeting once every rank has ended.
 
 import atexit
 import os
-import sys
 import tempfile
 import time
 
 from tpunb.errors import TpunbError
-from tpunb.upstream import patching
+from tpunb.upstream import registry
 
 _WAIT = 120  # seconds a rank waits for local rank 0 to open the meeting
 _rank = {"error": None}
@@ -55,7 +54,7 @@ def become_rank(cores):
         os.replace(path + ".new", path)
     exchange = rank_processes.become_rank(local_rank, local_world, _address(path))
     exchange.join()
-    patching.replace(sys, "excepthook", "the rank's error kept", _keeping_the_error)
+    registry.install("the rank's error kept")
     atexit.register(_end, exchange, meeting, path)
 
 
@@ -72,7 +71,7 @@ def _address(path):
         return named.read()
 
 
-def _keeping_the_error(excepthook):
+def keeping_the_error(_, excepthook):
     def keeping_the_error(kind, error, traceback):
         _rank["error"] = error
         excepthook(kind, error, traceback)

@@ -33,7 +33,7 @@ message); the runtime's device attributes and memory statistics; libtpu (never l
 import functools
 import os
 
-from tpunb.upstream import patching
+from tpunb.upstream import registry
 
 _RUNTIME_DEVICE = "CPU"
 # What only a TPU's runtime can take, kept out of the runtime's copy: with
@@ -45,6 +45,7 @@ _RUNTIME_DEVICE = "CPU"
 _TPU_RUNTIME_ONLY = ("ENABLE_COLLECTIVE_MATMUL_IN_MP",)
 _putenv = os.putenv
 _devices_per_process = None
+_cores = None  # the simulated chips
 
 
 def environment(cores, processes):
@@ -65,23 +66,11 @@ def environment(cores, processes):
 def set_environment(cores, processes):
     """Sets ``os.environ`` as ``environment`` says and the runtime's copy to the CPU's.
     Before torch_xla is imported: it selects a device at import if none is set."""
-    global _devices_per_process
-    _devices_per_process = cores // processes
-    patching.replace(os, "putenv", "runtime on the cpu", lambda _: _runtime_stays_on_the_cpu)
+    global _devices_per_process, _cores
+    _devices_per_process, _cores = cores // processes, cores
+    registry.install("runtime on the cpu")
     os.environ.update(environment(cores, processes))
     runtime_reads_cpu()
-
-
-def install(cores):
-    """The TPU chips on PCI are the ``cores`` simulated ones, and each device's hardware
-    (``xm.xla_device_hw``) is a TPU. The runtime's device names (``xm.xla_real_devices``,
-    ``torch_xla.real_devices()``: "CPU:0") stay its own: torch_xla hands them back to the
-    runtime (``xm.set_replication``), which knows its devices by them."""
-    import torch_xla._internal.tpu as tpu
-    import torch_xla.core.xla_model as xm
-
-    patching.replace(tpu, "num_available_chips", "simulated chips", lambda _: _chips(cores), True)
-    patching.replace(xm, "xla_device_hw", "a TPU", _as_tpu)
 
 
 def runtime_reads_cpu():
@@ -91,6 +80,11 @@ def runtime_reads_cpu():
     for name in _TPU_RUNTIME_ONLY:
         os.unsetenv(name)
     os.environ["CPU_NUM_DEVICES"] = str(_devices_per_process)
+
+
+def runtime_on_the_cpu(_, putenv):
+    """The registry's maker for ``os.putenv``: ``_runtime_stays_on_the_cpu``."""
+    return _runtime_stays_on_the_cpu
 
 
 def _runtime_stays_on_the_cpu(key, value):
@@ -105,15 +99,22 @@ def _runtime_stays_on_the_cpu(key, value):
     _putenv(key, value)
 
 
-def _chips(cores):
-    def num_available_chips():
+# The TPU chips on PCI are the simulated ones, and each device's hardware
+# (``xm.xla_device_hw``) is a TPU. The runtime's device names (``xm.xla_real_devices``,
+# ``torch_xla.real_devices()``: "CPU:0") stay its own: torch_xla hands them back to the
+# runtime (``xm.set_replication``), which knows its devices by them.
+def simulated_chips(_, num_available_chips):
+    """The registry's maker for torch_xla's count of the TPU chips on PCI."""
+
+    @functools.wraps(num_available_chips)
+    def simulated():
         """The TPU chips attached through PCI: the simulated ones."""
-        return cores
+        return _cores
 
-    return num_available_chips
+    return simulated
 
 
-def _as_tpu(xla_device_hw):
+def as_tpu(_, xla_device_hw):
     @functools.wraps(xla_device_hw)
     def tpu_hardware(device):
         hardware = xla_device_hw(device)

@@ -1,5 +1,6 @@
-"""The private names of torch_xla and PyTorch Lightning that tpunb reads or replaces, in one
-list, and the check that the installed versions have them: made before any fork, so that a
+"""The private names of torch_xla, torch, PyTorch Lightning and the standard library that
+tpunb reads or replaces, in one list (what it replaces generated from ``registry.py``), and
+the check that the installed versions have them: made before any fork, so that a
 torch_xla or Lightning that renamed one is named in a clear error instead of failing in
 every rank. ``tests/test_upstream.py`` checks that the list holds every private name the
 code uses and that both supported pairs (Kaggle's torch_xla 2.8, Colab's 2.9) have them.
@@ -12,28 +13,11 @@ from __future__ import annotations
 import importlib
 
 from tpunb.errors import TpunbError
-from tpunb.upstream import versions
+from tpunb.upstream import registry, versions
 
-# The primitives every Python collective (xm.*, torch.distributed's XLA backend,
-# torch_xla.core.functions, SyncBatchNorm) reaches, which both simulation layouts replace
-# (simulation/collectives.py, host_collectives.py); xm.send and xm.recv: point_to_point.py.
-COLLECTIVE_PRIMITIVES = (
-    "_xla_all_reduce",
-    "_xla_all_reduce_inplace",
-    "_xla_all_gather",
-    "_xla_all_gather_out",
-    "_xla_all_gather_coalesced",
-    "_xla_all_gather_coalesced_out",
-    "_xla_reduce_scatter",
-    "_xla_reduce_scatter_out",
-    "_xla_reduce_scatter_coalesced",
-    "_xla_reduce_scatter_coalesced_out",
-    "_xla_all_to_all",
-    "_xla_collective_permute",
-)
-
-# Every launch (tpunb.launch, tpunb.lightning), on a TPU too.
-LAUNCH = {
+# The names tpunb reads (calls, or checks for) without replacing them; what it replaces is
+# in registry.PATCHES, from which the lists below take their private names.
+_LAUNCH_READS = {
     "torch_xla._XLAC": (
         "_xla_runtime_is_initialized",  # platform.runtime_started
         "_check_tensor_need_materialization",  # launcher/reads.py: a read that cuts
@@ -44,8 +28,43 @@ LAUNCH = {
         "_xla_get_default_device",  # device_memory.py
         "_xla_memory_info",
     ),
-    "torch_xla._internal.pjrt": ("initialize_multiprocess",),  # shared_process.py
 }
+_SIMULATION_READS = {
+    "torch_xla._XLAC": (
+        "_set_all_reduce_token",
+        "_xla_step_marker",  # the cuts before a collective
+        "_xla_get_default_device",
+        "_xla_get_cpu_tensors",
+        "_xla_tensors_from_aten",
+        "_replace_xla_tensor",  # host_collectives.py: the out= forms
+        "_xla_counter_value",
+        "_get_tensors_xla_device_data_node",
+    ),
+    "torch_xla.core.xla_model": ("_get_all_reduce_token",),  # functional_collectives.py
+    "torch_xla._internal.tpu": ("num_local_processes",),
+    "torch_xla._dynamo.dynamo_bridge": ("extract_compiled_graph",),
+    "torch.distributed.distributed_c10d": ("_World",),  # process_groups.py
+    "torch._dynamo.convert_frame": ("compile_lock",),  # compiled.py
+    "torch.ops._c10d_functional": (  # functional_collectives.py: the kernels it registers
+        "broadcast",
+        "all_reduce",
+        "all_gather_into_tensor",
+        "reduce_scatter_tensor",
+        "all_to_all_single",
+    ),
+}
+
+
+def _merged(*lists):
+    merged = {}
+    for names in lists:
+        for module, found in names.items():
+            merged[module] = tuple(dict.fromkeys((*merged.get(module, ()), *found)))
+    return merged
+
+
+# Every launch (tpunb.launch, tpunb.lightning), on a TPU too.
+LAUNCH = _merged(_LAUNCH_READS, registry.private_names((registry.LAUNCH,)))
 
 # tpunb.lightning's launcher: Lightning's XLA launcher, run under tpunb's supervisor.
 LIGHTNING = {
@@ -58,32 +77,10 @@ LIGHTNING = {
 }
 
 # tpunb.simulate (never on a TPU).
-SIMULATION = {
-    "torch_xla._XLAC": (
-        *COLLECTIVE_PRIMITIVES,  # each layout replaces them
-        "_set_all_reduce_token",
-        "_xla_step_marker",  # the cuts before a collective
-        "_xla_get_default_device",
-        "_xla_get_cpu_tensors",
-        "_xla_tensors_from_aten",
-        "_replace_xla_tensor",  # host_collectives.py: the out= forms
-        "_xla_counter_value",
-        "_get_graph_hash",  # functional_collectives.py: a part that only copies
-        "_get_tensors_xla_device_data_node",
-    ),
-    "torch_xla.core.xla_model": ("_get_all_reduce_token",),  # functional_collectives.py
-    "torch_xla.runtime": ("_WORLD_SIZE", "_ORDINAL"),  # rank_processes.py
-    "torch_xla._internal.pjrt": ("_run_thread_per_device", "run_multiprocess"),
-    "torch_xla._internal.tpu": ("num_local_processes", "num_available_chips"),
-    "torch_xla._dynamo.dynamo_bridge": (  # compiled.py, functional_collectives.py
-        "extract_compiled_graph",
-        "extract_compiled_graph_helper",
-        "extract_graph_helper",
-        "UnsupportedNodesCollector",
-        "InputCollector",
-    ),
-    "torch.distributed.distributed_c10d": ("_world", "_World"),  # process_groups.py
-}
+SIMULATION = _merged(
+    _SIMULATION_READS,
+    registry.private_names((registry.SIMULATION, registry.PROCESSES, registry.THREADS)),
+)
 
 
 def missing(names):

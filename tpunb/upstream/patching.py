@@ -1,9 +1,7 @@
-"""How tpunb replaces a function of torch_xla, torch or Lightning: once per patch, with
-what it replaced kept on the replacement, so that installing again leaves the patch in
-place, patches stack (both simulation layouts wrap the same collectives), and code that
-must reach the upstream function finds it. ``upstream.py`` lists the private names the
-patches touch; the launch's patches (``step_hooks``, ``launcher/``) hold on a TPU, the
-simulation's only after ``tpunb.simulate``."""
+"""How a patch of ``registry.py`` replaces an upstream attribute: once per patch, with what
+it replaced kept on the replacement, so that installing again leaves the patch in place,
+patches stack (the simulation's point-to-point sends wrap a layout's collectives), and
+code that must reach the upstream function finds it. Only ``registry.py`` calls these."""
 
 from __future__ import annotations
 
@@ -15,26 +13,25 @@ _PATCH = "__tpunb_patch__"  # on a replacement: (the patch's name, what it repla
 _INHERITED = object()  # an attribute the owner only inherits (torch.Tensor's C methods)
 
 
-def replace(
-    owners: Any, name: str, patch: str, make: Callable[[Any], Any], renew: bool = False
-) -> Any:
+def replace(owners: Any, name: str, patch: str, make: Callable[[Any], Any]) -> Any:
     """Sets attribute ``name`` of ``owners`` (an object, or a tuple of objects that hold the
     same function under that name) to ``make(current)``, unless the patch called ``patch``
-    is already among the replacements there; with ``renew``, a patch of that name on the
-    outside is made again from what it replaced (its arguments changed). Returns what is
-    in place."""
+    is already among the replacements there. Returns what is in place."""
     owners = owners if isinstance(owners, tuple) else (owners,)
     current = getattr(owners[0], name)
-    marker = getattr(current, _PATCH, None)
-    if renew and marker is not None and marker[0] == patch:
-        current = marker[1]
-    elif patch in patches(current):
+    if patch in patches(current):
         return current
     replacement = make(current)
     setattr(replacement, _PATCH, (patch, current))
-    for owner in owners:
-        setattr(owner, name, replacement)
+    assign(owners, name, replacement)
     return replacement
+
+
+def assign(owners: tuple[Any, ...], name: str, value: Any) -> None:
+    """Sets attribute ``name`` of each of ``owners`` to ``value``: a value that cannot say
+    which patch it is (a number), or what a patch replaced, put back."""
+    for owner in owners:
+        setattr(owner, name, value)
 
 
 @contextlib.contextmanager

@@ -31,8 +31,6 @@ import sys
 import threading
 import types
 
-from tpunb.upstream import patching
-
 _hooks = {"before": [], "dispatched": [], "after": []}
 _callers = threading.local()  # .stack: the modules that called the syncs under way here
 
@@ -40,9 +38,8 @@ _callers = threading.local()  # .stack: the modules that called the syncs under 
 def add(before=None, dispatched=None, after=None):
     """Runs ``before(caller)`` just before every later step marker of ``torch_xla.sync``,
     ``dispatched(caller)`` just after it, and ``after(caller)`` once the sync has run its
-    step closures (installing the hooked sync the first time). Returns a handle for
-    ``remove``."""
-    install()
+    step closures, once the registry's "step hooks" patch is in place (``registry.
+    add_step_hooks`` puts it there first). Returns a handle for ``remove``."""
     handle = {"before": before, "dispatched": dispatched, "after": after}
     for kind, hook in handle.items():
         if hook is not None:
@@ -69,15 +66,6 @@ def _run(kind, caller):
         hook(caller)
 
 
-def install():
-    """``torch_xla.sync`` (and the same function in ``torch_xla.torch_xla``) becomes the
-    hooked one; idempotent."""
-    import torch_xla
-    import torch_xla.torch_xla as module
-
-    patching.replace((torch_xla, module), "sync", "step hooks", _hooked)
-
-
 # The calls of torch_xla's sync that the rebuilt one hooks, in the order its body makes them.
 HOOKED_CALLS = ("_xla_get_default_device", "is_master_ordinal", "_set_all_reduce_token")
 
@@ -88,7 +76,8 @@ def knows(function):
     return tuple(i.argval for i in loads if i.argval in HOOKED_CALLS) == HOOKED_CALLS
 
 
-def _hooked(upstream):
+def hooked(_, upstream):
+    """The registry's maker: ``upstream`` rebuilt with the hooks, or wrapped if unknown."""
     if not knows(upstream):
         return _around(upstream)
     import torch_xla
