@@ -464,7 +464,7 @@ def test_the_history_keeps_every_logged_value_and_survives_a_round_trip(
 
 
 def _record(step, batch, compiles=None):
-    from tpunb.history import Step
+    from tpunb.watch.history import Step
 
     counters = {} if compiles is None else {"compiles": compiles, "compile_seconds": 0.1}
     return Step(step, 0.0, {}, [[(batch, 16)]], batch, fallbacks={}, **counters)
@@ -497,7 +497,7 @@ def test_a_few_shapes_met_after_the_warm_up_compile_without_a_warning_and_a_fift
     messages = []
     for step, length in enumerate(lengths):
         first = lengths.index(length) == step
-        record = tpunb.history.Step(
+        record = tpunb.watch.history.Step(
             step, 0.0, {}, [[(8, length)]], 8, compiles=int(first), compile_seconds=0.1
         )
         messages += watch.add(0, [record])
@@ -518,7 +518,7 @@ def test_a_process_compiling_a_shape_another_met_first_is_blamed_on_that_shape()
     for step in range(10):
         for rank in (0, 1):
             first = lengths[rank].index(lengths[rank][step]) == step
-            record = tpunb.history.Step(
+            record = tpunb.watch.history.Step(
                 step,
                 0.0,
                 {},
@@ -538,7 +538,7 @@ def test_a_process_compiling_a_shape_another_met_first_is_blamed_on_that_shape()
 def test_each_process_counts_its_own_compilations_as_on_a_v5e_8():
     # One process a rank (a v5e-8, the process layout): every rank reports its process's
     # counters, and each process compiles the same graphs.
-    from tpunb.history import History
+    from tpunb.watch.history import History
 
     watch, history = tpunb.watch.compile_watch.CompileWatch(ranks=2), History(2)
     compiles = [2, 1, 0] + [0] * 6 + [1]
@@ -687,7 +687,7 @@ def _framework_run(last_batch=8, graph_change_at=None):
     syncs a batch (its loader's, which hands out the batch, and its optimizer step's),
     each epoch's last step the framework's epoch end, then a teardown step. Epoch e,
     batch b starts at step 4 + 8e + 2(b - 1)."""
-    from tpunb.history import Step
+    from tpunb.watch.history import Step
 
     rows = [(None, None, False, None)] + [(None, None, True, None)] * 2
     rows += [(None, None, False, None)]

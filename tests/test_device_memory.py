@@ -9,10 +9,10 @@ import pytest
 import torch
 
 import tpunb
-from tpunb.history import History, Step
 from tpunb.launcher import failures
 from tpunb.launcher.messages import Raised
 from tpunb.watch import device_memory
+from tpunb.watch.history import History, Step
 from tpunb.watch.snapshot import Snapshot
 
 GiB = 2**30

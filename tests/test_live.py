@@ -15,9 +15,9 @@ from nbclient import NotebookClient
 from torch.utils.data import DataLoader, TensorDataset
 
 import tpunb
-from tpunb.history import Step
 from tpunb.launcher import recorder
 from tpunb.watch import live
+from tpunb.watch.history import Step
 
 EPOCHS, BATCHES = 3, 5  # a core's batches an epoch
 DATA = TensorDataset(torch.arange(8 * BATCHES * 4, dtype=torch.float32)[:, None])

@@ -8,11 +8,11 @@ import warnings
 import pytest
 
 import tpunb
-from tpunb.history import Step
 from tpunb.launcher import base, rank, supervisor
 from tpunb.launcher.messages import Raised, Returned, Steps
 from tpunb.launcher.preflight import Plan
 from tpunb.watch import live
+from tpunb.watch.history import Step
 from tpunb.watch.snapshot import Snapshot
 
 STEPS = 10  # a rank's steps; its batches have 8 samples, its last one 5

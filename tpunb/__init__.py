@@ -22,13 +22,13 @@ from tpunb.buckets import BucketCollate, choose_buckets
 from tpunb.environment import Environment, env
 from tpunb.errors import RankError, TpunbError, TpunbWarning
 from tpunb.graph_limit import limit_graphs
-from tpunb.history import History
 from tpunb.launcher import LaunchResults, launch
 from tpunb.metrics import log
 from tpunb.sampling import shard
 from tpunb.simulation import simulate
 from tpunb.sweep import sweep_batch_sizes
 from tpunb.watch.compile_summary import CompileSummary
+from tpunb.watch.history import History
 
 __all__ = [
     "BucketCollate",

@@ -11,7 +11,7 @@ import dataclasses
 import operator
 import typing
 
-from tpunb.history import Step
+from tpunb.watch.history import Step
 
 _STEP_FIELDS = operator.attrgetter(*(field.name for field in dataclasses.fields(Step)))
 

@@ -8,11 +8,11 @@ import threading
 import time
 
 from tpunb.errors import TpunbError
-from tpunb.history import Step
 from tpunb.launcher import reads
 from tpunb.launcher.messages import Steps
 from tpunb.launcher.process_counters import ProcessCounters, excused_here
 from tpunb.watch import device_memory
+from tpunb.watch.history import Step
 
 # At most this long (and a step) between a step and its record reaching the notebook.
 FLUSH_SECONDS = 0.5

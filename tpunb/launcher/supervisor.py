@@ -14,7 +14,6 @@ import time
 import warnings
 from typing import TYPE_CHECKING
 
-from tpunb import history
 from tpunb.errors import warn
 from tpunb.launcher import (
     channel,
@@ -28,14 +27,14 @@ from tpunb.launcher import (
 )
 from tpunb.launcher.messages import Ended, Raised, Returned, Steps
 from tpunb.machine import platform
-from tpunb.watch import compile_watch, device_memory, live
+from tpunb.watch import compile_watch, device_memory, history, live
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
     from typing import Any
 
-    from tpunb.history import History
     from tpunb.watch.compile_summary import CompileSummary
+    from tpunb.watch.history import History
 
 HANG_CHECK_SECONDS = 0.1
 # Ranks that the simulation's checks stopped (RankEnded, CollectiveMismatch) did not fail:

@@ -4,7 +4,7 @@ to the end of the epoch, from the tails of the history only (cheap however long 
 
 import dataclasses
 
-from tpunb.history import RATE_OVER
+from tpunb.watch.history import RATE_OVER
 
 
 @dataclasses.dataclass
