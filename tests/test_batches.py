@@ -70,6 +70,9 @@ def test_the_report_shows_as_text_and_as_a_table():
 
 def test_conversions_between_per_core_and_global_batch_and_the_learning_rate():
     assert tpunb.global_batch_size(32, cores=8) == 256
+    assert tpunb.global_batch_size(_loader(), cores=8) == 256  # the loader's batch_size, 32
+    with pytest.raises(tpunb.TpunbError, match="a DataLoader built with batch_size="):
+        tpunb.global_batch_size(DataLoader(TensorDataset(torch.zeros(4)), batch_size=None))
     assert tpunb.per_core_batch_size(256, cores=8) == 32
     with pytest.raises(
         tpunb.TpunbError, match="does not split evenly over 8 cores; nearest that does: 96"

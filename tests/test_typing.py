@@ -52,6 +52,20 @@ def test_every_public_function_and_method_is_annotated():
     assert missing == []
 
 
+def test_every_public_function_says_its_arguments_and_what_it_returns():
+    missing = []
+    for name, function in _public_callables():
+        if "." in function.__qualname__:  # a method: its class's docstring says what it is
+            continue
+        signature = inspect.signature(function)
+        doc = inspect.getdoc(function) or ""
+        if signature.parameters and "Args:" not in doc:
+            missing.append(f"{name}: Args")
+        if signature.return_annotation not in (None, "None") and "Returns:" not in doc:
+            missing.append(f"{name}: Returns")
+    assert missing == []
+
+
 def test_a_users_typed_code_checks_clean_against_the_api():
     checked = subprocess.run(
         [

@@ -122,8 +122,15 @@ class BatchReport(reports.Report):
 
 
 def batch_report(loader: DataLoader, cores: int | None = None) -> BatchReport:
-    """How ``loader`` (batch size per core) splits across ``cores`` (default: this
-    machine's TPU cores, or the simulated ones): global batch, steps, padding, warnings."""
+    """How ``loader`` splits across the cores: global batch, steps, padding, warnings.
+
+    Args:
+        loader: the DataLoader each core runs; its ``batch_size`` is per core.
+        cores: the core count; None: this machine's TPU cores, or the simulated ones.
+
+    Returns:
+        A ``BatchReport`` (shown as a table in a notebook).
+    """
     if loader.batch_size is None:
         raise TpunbError("batch_report needs a DataLoader built with batch_size=...")
     cores = core_layout.count(cores)
@@ -139,12 +146,35 @@ def batch_report(loader: DataLoader, cores: int | None = None) -> BatchReport:
 
 
 def global_batch_size(per_core: int | DataLoader, cores: int | None = None) -> int:
-    """The batch the optimizer sees: ``per_core`` samples on each of ``cores`` cores."""
+    """The batch the optimizer sees: ``per_core`` samples on each of the cores.
+
+    Args:
+        per_core: a DataLoader's batch size, or the DataLoader itself.
+        cores: the core count; None: this machine's TPU cores, or the simulated ones.
+
+    Returns:
+        The global batch size.
+    """
+    if not isinstance(per_core, int):  # a DataLoader (torch is not imported here)
+        if getattr(per_core, "batch_size", None) is None:
+            raise TpunbError(
+                "global_batch_size needs a DataLoader built with batch_size=... (or the "
+                "batch size itself)."
+            )
+        per_core = per_core.batch_size
     return per_core * core_layout.count(cores)
 
 
 def per_core_batch_size(global_batch: int, cores: int | None = None) -> int:
-    """The DataLoader batch size that gives ``global_batch`` on ``cores`` cores."""
+    """The DataLoader batch size that gives ``global_batch`` on the cores.
+
+    Args:
+        global_batch: the batch the optimizer should see, all cores together.
+        cores: the core count; None: this machine's TPU cores, or the simulated ones.
+
+    Returns:
+        The per-core batch size; a ``TpunbError`` if it does not split evenly.
+    """
     cores = core_layout.count(cores)
     if global_batch % cores:
         raise TpunbError(
@@ -157,5 +187,14 @@ def per_core_batch_size(global_batch: int, cores: int | None = None) -> int:
 def scale_learning_rate(lr: float, from_batch: int, to_batch: int) -> float:
     """The linear scaling rule (Goyal et al., 2017, "Accurate, Large Minibatch SGD"): when the
     global batch grows k times, so does the learning rate. A starting point, best with a
-    warm-up; adaptive optimizers (Adam) often want less than linear."""
+    warm-up; adaptive optimizers (Adam) often want less than linear.
+
+    Args:
+        lr: the learning rate tuned at ``from_batch``.
+        from_batch: the global batch it was tuned at.
+        to_batch: the global batch to train with.
+
+    Returns:
+        ``lr * to_batch / from_batch``.
+    """
     return lr * to_batch / from_batch

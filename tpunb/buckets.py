@@ -21,7 +21,15 @@ def choose_buckets(
     as many batches fall in each bucket, the last one the longest length. A batch is
     padded to its longest sequence, so with ``batch_size`` the quantiles are those of the
     longest length in shuffled batches of that size (a fixed shuffle: the same buckets
-    every call). Padding costs compute; each bucket costs a compilation."""
+    every call). Padding costs compute; each bucket costs a compilation.
+
+    Args:
+        lengths: each sample's sequence length.
+        count: how many bucket lengths.
+        batch_size: the per-core batch size the loader will use, or None.
+
+    Returns:
+        The bucket lengths, ascending; give them to ``BucketCollate``."""
     lengths = [int(n) for n in lengths]
     if not lengths:
         raise TpunbError("choose_buckets(lengths) needs the dataset's sequence lengths.")

@@ -87,7 +87,11 @@ class Environment(reports.Report):
 
 
 def env() -> Environment:
-    """Report the platform, TPU (real or simulated), launch layout, versions and warnings."""
+    """Report the platform, TPU (real or simulated), launch layout, versions and warnings.
+
+    Returns:
+        An ``Environment`` (shown as a table in a notebook; ``.cores``, ``.warnings``...).
+    """
     report = Environment(
         platform=platform.name(),
         layout=cores.available(),

@@ -30,6 +30,13 @@ def limit_graphs(step: Callable[..., T], max_graphs: int) -> Callable[..., T]:
     detector is one per process and breaks across threads (it failed with "Check failed:
     IsSessionActive()" on 8 simulated cores), so tpunb counts the distinct shapes and
     dtypes of the step's tensor arguments instead: the cause the limit exists for.
+
+    Args:
+        step: the training step, called with the batch's tensors.
+        max_graphs: how many different graphs it may compile.
+
+    Returns:
+        ``step``, wrapped.
     """
     check_count(max_graphs, "limit_graphs(step, max_graphs=...)", "graphs", 4)
     if not cores.in_rank():

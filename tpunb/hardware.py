@@ -49,7 +49,14 @@ class Tpu:
 
 
 def detect(pci_root: str = "/sys/bus/pci/devices") -> Tpu | None:
-    """The TPU on this host, or None. Safe before any launch: reads files only."""
+    """The TPU on this host, or None. Safe before any launch: reads files only.
+
+    Args:
+        pci_root: where Linux lists the PCI devices.
+
+    Returns:
+        A ``Tpu`` (its accelerator type, chips and cores), or None without one.
+    """
     generations = _pci_tpu_generations(pci_root)
     if not generations:
         return None

@@ -102,7 +102,17 @@ def replica_memory(
     No backward pass runs: the tensors it would use are counted as the forward pass saves
     them, and the optimizer steps on zero gradients. A backward pass in the notebook would
     start autograd's device threads there before torch_xla's devices exist, and the
-    launches after it would fail (https://github.com/pytorch/xla/issues/4174)."""
+    launches after it would fail (https://github.com/pytorch/xla/issues/4174).
+
+    Args:
+        model: the model each core trains (left unchanged).
+        batch: one core's batch, or None for weights, gradients and optimizer only.
+        optimizer: an optimizer class or a function of the parameters; None: no state.
+        autocast: a dtype to run the step under ``torch.autocast``, or None.
+        loss: ``loss(output, target)`` when ``batch`` is ``(input, target)``.
+
+    Returns:
+        A ``ReplicaMemory``: bytes by kind (shown as a table in a notebook)."""
     import torch
 
     # On one thread: a multi-threaded CPU matmul here would start OpenMP's thread team in
@@ -154,7 +164,16 @@ def replica_memory_of(
 ) -> ReplicaMemory:
     """The same for a model known by its parameter count, without activations: weights
     and gradients of ``bytes_per_number`` each, and ``optimizer_states`` numbers a
-    parameter (Adam and AdamW keep 2, SGD with momentum 1, plain SGD 0)."""
+    parameter (Adam and AdamW keep 2, SGD with momentum 1, plain SGD 0).
+
+    Args:
+        parameters: the model's parameter count.
+        optimizer_states: numbers the optimizer keeps a parameter.
+        bytes_per_number: 4 for float32, 2 for bfloat16.
+        name: what the report calls the model.
+
+    Returns:
+        A ``ReplicaMemory`` without activations."""
     size = parameters * bytes_per_number
     return ReplicaMemory(size, size, optimizer_states * size, None, name)
 
@@ -237,7 +256,14 @@ class ProcessMemory:
 
 def process_memory(pid: int | None = None) -> ProcessMemory:
     """``ProcessMemory`` of process ``pid`` (this one by default), from Linux's
-    /proc/<pid>/smaps_rollup. In a rank: the memory of the launch process it runs in."""
+    /proc/<pid>/smaps_rollup. In a rank: the memory of the launch process it runs in.
+
+    Args:
+        pid: a process id; None: this process.
+
+    Returns:
+        A ``ProcessMemory``: its ``rss``, ``pss`` and ``private`` bytes.
+    """
     pid = os.getpid() if pid is None else pid
     path = f"/proc/{pid}/smaps_rollup"
     try:

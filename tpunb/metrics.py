@@ -18,7 +18,10 @@ def log(**values: float | torch.Tensor) -> None:
     Device tensors are not read when logged: they are read back in batches after the
     steps that computed them (about twice a second), so logging adds no sync and no
     device-to-host transfer to a step. The notebook plots them live and the launch's
-    ``history`` keeps them."""
+    ``history`` keeps them.
+
+    Args:
+        **values: name -> a number, or a one-element tensor (on the device or not)."""
     current = recorder.current()
     if current is None:
         raise TpunbError(

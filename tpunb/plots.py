@@ -31,7 +31,19 @@ def lines(
 ) -> Figure:
     """One line per entry of ``series`` (label -> values, or label -> (x values, values)),
     labelled, at ``x`` (1, 2, ... by default); ``log_x``: a logarithmic x axis ticked at
-    ``x``."""
+    ``x``.
+
+    Args:
+        series: label -> values, or label -> (x values, values).
+        xlabel: the x axis's label (what a learner counts: steps, epochs).
+        ylabel: the y axis's label, with its unit.
+        title: above the figure, or None.
+        size: inches, width and height.
+        x: the x values of every series, or None (1, 2, ...).
+        log_x: a logarithmic x axis.
+
+    Returns:
+        A matplotlib ``Figure``, drawn when a notebook displays it."""
     figure, ax = _figure(size)
     styles = [("o", "-"), ("s", "--"), ("^", ":"), ("D", "-.")]
     for (label, values), (marker, line) in zip(series.items(), itertools.cycle(styles)):
@@ -63,7 +75,15 @@ def samples_seen(
 ) -> Figure:
     """Which samples each core trained on: a panel per entry of ``panels`` (title -> the
     sample indices of each core, by rank), a row per core, a square per sample of the
-    ``first`` indices."""
+    ``first`` indices.
+
+    Args:
+        panels: title -> the sample indices each core trained on, by rank.
+        first: how many of the first indices to draw.
+        size: inches, width and height, or None (from the panels).
+
+    Returns:
+        A matplotlib ``Figure``, drawn when a notebook displays it."""
     size = size or (9, 0.5 + 2.1 * len(panels))
     figure = _figure_class()(figsize=size, layout="constrained")
     axes = figure.subplots(len(panels), 1, sharex=True, squeeze=False)[:, 0]
@@ -86,7 +106,18 @@ def bars(
 ) -> Figure:
     """Horizontal bars, one per entry of ``values`` (label -> number), top to bottom, each
     with its number written beside it; ``marks`` (label -> number): dashed vertical lines
-    to compare the bars with, named in a legend; ``log``: a logarithmic axis."""
+    to compare the bars with, named in a legend; ``log``: a logarithmic axis.
+
+    Args:
+        values: label -> number, a bar each.
+        xlabel: the axis's label, with its unit.
+        title: above the figure, or None.
+        size: inches, width and height.
+        marks: label -> number, a dashed line each, or None.
+        log: a logarithmic axis.
+
+    Returns:
+        A matplotlib ``Figure``, drawn when a notebook displays it."""
     figure, ax = _figure(size)
     labels = list(values)[::-1]
     drawn = ax.barh(labels, [values[label] for label in labels], color="tab:blue")
@@ -107,7 +138,14 @@ def launch_layouts(
     layouts: dict[str, tuple[int, int]], size: tuple[float, float] = (11, 4.2)
 ) -> Figure:
     """How ``xmp.spawn`` lays ranks out: a row per entry of ``layouts`` (label ->
-    (processes, ranks per process)), each process a box, each rank a numbered dot."""
+    (processes, ranks per process)), each process a box, each rank a numbered dot.
+
+    Args:
+        layouts: label -> (processes, ranks per process).
+        size: inches, width and height.
+
+    Returns:
+        A matplotlib ``Figure``, drawn when a notebook displays it."""
     from matplotlib.patches import Circle, FancyBboxPatch
 
     figure, ax = _figure(size)
@@ -167,7 +205,13 @@ def _figure_class():
 def shown_in_notebooks(figure: Figure) -> Figure:
     """``figure``, drawn as an image when a notebook displays it. IPython draws
     matplotlib figures only once pyplot set up its inline backend; tpunb never imports
-    pyplot (global state), so it registers the drawing for Figure itself."""
+    pyplot (global state), so it registers the drawing for Figure itself.
+
+    Args:
+        figure: a matplotlib ``Figure``.
+
+    Returns:
+        ``figure`` itself."""
     if platform.in_kernel():
         from IPython import get_ipython
         from IPython.core.pylabtools import print_figure

@@ -64,7 +64,13 @@ class ShardedLoader:
 def shard(loader: DataLoader) -> ShardedLoader:
     """Inside a launched function: ``loader`` split across the cores and sent to this rank's
     device, shuffled (or not) like the original, ``set_epoch`` called each epoch (also when
-    ``shard(loader)`` is called again for each epoch)."""
+    ``shard(loader)`` is called again for each epoch).
+
+    Args:
+        loader: the notebook's DataLoader, with its batch size per core.
+
+    Returns:
+        A ``ShardedLoader``: iterate it once an epoch; ``len`` is this rank's batches."""
     rebuild = distributed_version(loader)
     if not cores.in_rank():
         raise TpunbError(

@@ -127,7 +127,20 @@ def sweep_batch_sizes(
     moment of the machine does not fall on one size only). ``loss_fn(model, batch)``
     returns the loss of a batch on the device; ``optimizer(params)`` builds the optimizer
     (SGD by default). Warm-up steps are not timed: the first round's include compiling
-    each batch size's graphs."""
+    each batch size's graphs.
+
+    Args:
+        model: the model to train (a copy of it for each size; it is left unchanged).
+        dataset: the data, sharded over the cores.
+        batch_sizes: the per-core batch sizes to time.
+        loss_fn: ``loss_fn(model, batch)``, the batch's loss on the device.
+        optimizer: builds the optimizer from the parameters; None: SGD.
+        steps: timed steps a size and round.
+        warmup: untimed steps before them.
+        rounds: passes over every size.
+
+    Returns:
+        A ``Sweep``: time a step and samples/s by batch size (a table in a notebook)."""
     from tpunb.launcher import launch
     from tpunb.machine import cores as core_layout
 

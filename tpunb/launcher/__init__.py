@@ -70,6 +70,17 @@ def launch(
     notebook draws widgets, and prints a line each epoch elsewhere (nbval, a script);
     ``"widgets"`` and ``"text"`` choose, ``False`` shows nothing. Both end with the
     figure of the whole run.
+
+    Args:
+        fn: called as ``fn(rank, *args, **kwargs)`` in each rank.
+        cores: None (every core), their count, or 1 (one rank, to debug).
+        hang_timeout: seconds without a finished step before the launch is stopped.
+        live: ``"auto"``, ``"widgets"``, ``"text"`` or False.
+        start_method: ``"fork"`` (what notebooks need; the only one tpunb runs).
+
+    Returns:
+        ``LaunchResults``: each rank's result by rank, with ``.history`` and ``.compiles``.
+        A failing rank, a hang or ranks that diverged raise ``RankError`` instead.
     """
     plan, view = preflight.checked(
         cores,

@@ -2,16 +2,23 @@
 fix, before any process starts. ``checked`` is the one entry point: ``tpunb.launch`` and
 ``tpunb.lightning.trainer`` both go through it."""
 
+from __future__ import annotations
+
 import dataclasses
 import inspect
 import os
 import sys
+from typing import TYPE_CHECKING
 
 from tpunb import upstream
 from tpunb.errors import TpunbError, warn
 from tpunb.machine import cores, platform
 from tpunb.upstream import versions
 from tpunb.watch import live
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+    from typing import Any
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,8 +30,15 @@ class Plan:
 
 
 def checked(
-    requested=None, *, hang_timeout, view, start_method="fork", fn=None, args=(), kwargs=None
-):
+    requested: int | None = None,
+    *,
+    hang_timeout: float | None,
+    view: str | bool,
+    start_method: str = "fork",
+    fn: Callable[..., Any] | None = None,
+    args: tuple = (),
+    kwargs: dict[str, Any] | None = None,
+) -> tuple[Plan, str | bool]:
     """Every check before a launch of ``requested`` cores (None: all): the start method,
     ``fn(rank, *args, **kwargs)`` if given (a launch; Lightning brings its own function),
     the hang time-out, the live view's mode ``view`` (``live.resolve``), the cores (``plan``)

@@ -5,18 +5,25 @@ Jobs wait here by key. The forked ranks find their job in this module (fork copi
 notebook's memory), so the function and its arguments are never pickled: functions
 defined in the notebook, closures and lambdas all work."""
 
+from __future__ import annotations
+
 import dataclasses
 import functools
 import itertools
 import os
 import threading
 import time
+from typing import TYPE_CHECKING
 
 from tpunb.errors import CollectiveMismatch, RankEnded
 from tpunb.launcher import channel, failures, heartbeat, ledger, recorder
 from tpunb.launcher.messages import Raised, Returned
 from tpunb.machine import cores
 from tpunb.wording import program_lines
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+    from typing import Any
 
 _jobs = {}
 _keys = itertools.count()
@@ -42,23 +49,23 @@ class Job:
     compile_reporters: dict = dataclasses.field(default_factory=dict)
 
 
-def register(job):
+def register(job: Job) -> int:
     """Makes ``job`` findable by the ranks forked from now on; returns its key."""
     key = next(_keys)
     _jobs[key] = job
     return key
 
 
-def unregister(key):
+def unregister(key: int) -> Job:
     return _jobs.pop(key)
 
 
-def registered(key):
+def registered(key: int) -> Job:
     """The registered job ``key``: what its launcher hands its ranks."""
     return _jobs[key]
 
 
-def run(key, rank, work=None):
+def run(key: int, rank: int, work: Callable[[int], Any] | None = None) -> None:
     """The entry of every rank of job ``key``: runs ``fn(rank, *args, **kwargs)`` (or
     ``work(rank)``), recording its steps, then sends its result or error to the notebook."""
     job = _jobs[key]

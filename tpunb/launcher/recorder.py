@@ -4,6 +4,8 @@ values given to ``tpunb.log``, the shapes of the batches the loader handed out, 
 one rank a process, the process's new compilations, compile time and CPU fallback ops
 (torch_xla's metrics are per process)."""
 
+from __future__ import annotations
+
 import threading
 import time
 
@@ -68,7 +70,7 @@ class Recorder:
                 when += f" of epoch {self._epoch + 1}" if self._epoch else ""
             self._ledger.record(self.rank, when, name, args, kwargs, frame)
 
-    def framework_steps(self, on):
+    def framework_steps(self, on: bool) -> None:
         """From now on, steps are a framework's own (``on``: Lightning's setup, validation,
         epoch ends, teardown) or training steps again; the compile watch does not judge the
         framework's."""
@@ -130,7 +132,7 @@ class Recorder:
             # still running after it join that step at the end (finish).
             self.flush(keep_last=self._counters is not None)
 
-    def training_data(self, dataset):
+    def training_data(self, dataset: object) -> None:
         """Names the training loader's dataset, when another loader may be read first
         (Lightning's sanity check reads the validation loader)."""
         if dataset is not self._loader:
@@ -200,15 +202,16 @@ class Recorder:
         self.flush()
 
 
-def current():
+def current() -> Recorder | None:
+    """This rank thread's recorder; None outside a launch's rank."""
     return getattr(_rank, "recorder", None)
 
 
-def enter(recorder):
+def enter(recorder: Recorder) -> None:
     _rank.recorder = recorder
 
 
-def leave():
+def leave() -> None:
     _rank.recorder = None
 
 

@@ -30,9 +30,11 @@ from tpunb.machine import platform
 from tpunb.watch import compile_watch, device_memory, history, live
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable
+    from collections.abc import Callable, Iterable
     from typing import Any
 
+    from tpunb.launcher.base import Launcher
+    from tpunb.launcher.preflight import Plan
     from tpunb.watch.compile_summary import CompileSummary
     from tpunb.watch.history import History
 
@@ -57,7 +59,15 @@ class LaunchResults(list):
         self.compiles = compiles
 
 
-def supervise(plan, launcher, hang_timeout, view, fn=None, args=(), kwargs=None):
+def supervise(
+    plan: Plan,
+    launcher: Launcher,
+    hang_timeout: float | None,
+    view: str | bool,
+    fn: Callable[..., Any] | None = None,
+    args: tuple = (),
+    kwargs: dict[str, Any] | None = None,
+) -> LaunchResults:
     """Runs ``launcher`` (a ``base.Launcher``) for ``plan`` and watches its ranks; returns a
     ``LaunchResults`` or raises the first failure. ``fn(rank, *args, **kwargs)`` is what
     the ranks run, unless the launcher gives them their work itself (``rank.run(key,

@@ -70,6 +70,14 @@ def trainer(
     (the live view shows the progress). A ``LiveCallback`` is added unless one is in
     ``callbacks``. ``live`` and ``hang_timeout`` are ``tpunb.launch``'s. Everything that
     would break the run is refused here, before any fork.
+
+    Args:
+        live: what the notebook shows meanwhile, as in ``tpunb.launch``.
+        hang_timeout: seconds without a finished step before the run is stopped.
+        **trainer_arguments: ``lightning.Trainer``'s.
+
+    Returns:
+        The ``lightning.Trainer``; call its ``fit`` once.
     """
     outdated = migration.trainer_argument_error(trainer_arguments)
     if outdated:

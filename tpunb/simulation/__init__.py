@@ -57,11 +57,19 @@ def simulate(
     about the hardware answers a TPU v5e (``tpu_answers.py``), and collectives between the
     devices work. Graphs compile at XLA's
     CPU level ``COMPILE_LEVEL`` unless ``XLA_FLAGS`` sets ``--xla_backend_optimization_level``.
-    Call it before anything touches the XLA device. Returns the environment report.
+    Call it before anything touches the XLA device.
 
     On a machine with a TPU it is refused unless ``instead_of_tpu=True``: then the launches
     of this kernel run on the simulated cores, on the host's CPU (far slower than the TPU),
     e.g. to watch 8 cores on Colab's one-core TPU. A new kernel uses the TPU again.
+
+    Args:
+        cores: how many TPU cores, a positive integer.
+        instead_of_tpu: simulate on a machine that has a TPU.
+        layout: ``"processes"``, ``"threads"`` or None (``default_layout``).
+
+    Returns:
+        The ``Environment`` report of the simulated machine.
     """
     count = check_count(cores, "simulate(cores=...)", "cores", 8)
     layout = default_layout() if layout is None else layout
