@@ -126,10 +126,10 @@ def test_every_patch_in_the_registry_has_its_maker_and_its_upstream_names():
     for patch in registry.PATCHES:
         if patch.when_imported:  # Lightning's: checked by the LIGHTNING list
             continue
-        if patch.make is not None and not callable(registry._resolve(patch.make)):
+        if patch.make is not None and not callable(registry.resolve(patch.make)):
             absent.append(patch.make)
         for owner in patch.owners:
-            found = [hasattr(registry._resolve(owner), name) for name in patch.attributes()]
+            found = [hasattr(registry.resolve(owner), name) for name in patch.attributes()]
             if not (any(found) if patch.optional else all(found)):
                 absent.append(f"{owner}: {patch.attributes()}")
     assert absent == []

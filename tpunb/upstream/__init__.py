@@ -10,8 +10,6 @@ Nothing here is imported at ``import tpunb``: ``missing`` imports the modules it
 
 from __future__ import annotations
 
-import importlib
-
 from tpunb.errors import TpunbError
 from tpunb.upstream import registry, versions
 
@@ -113,13 +111,7 @@ def check(names, what):
 
 def _owner(dotted):
     """The module, or the class inside one, that ``dotted`` names; None if absent."""
-    parts = dotted.split(".")
-    for cut in range(len(parts), 0, -1):
-        try:
-            owner = importlib.import_module(".".join(parts[:cut]))
-        except ImportError:
-            continue
-        for attribute in parts[cut:]:
-            owner = getattr(owner, attribute, None)
-        return owner
-    return None
+    try:
+        return registry.resolve(dotted)
+    except (ImportError, AttributeError):
+        return None

@@ -64,7 +64,7 @@ class Patch:
         return self.owner if isinstance(self.owner, tuple) else (self.owner,)
 
     def attributes(self) -> tuple[str, ...]:
-        return tuple(_resolve(self.names)) if isinstance(self.names, str) else self.names
+        return tuple(resolve(self.names)) if isinstance(self.names, str) else self.names
 
 
 _XM = "torch_xla.core.xla_model"
@@ -193,13 +193,13 @@ def install(name: str, *context: Any) -> None:
         if patch.when_imported and patch.owners[0].rsplit(".", 1)[0] not in sys.modules:
             continue
         for index, attribute in enumerate(patch.attributes()):
-            owners = tuple(_resolve(owner) for owner in patch.owners)
+            owners = tuple(resolve(owner) for owner in patch.owners)
             if patch.optional and not hasattr(owners[0], attribute):
                 continue
             if patch.make is None:
                 patching.assign(owners, attribute, context[index])
                 continue
-            make = _resolve(patch.make)
+            make = resolve(patch.make)
             patching.replace(
                 owners,
                 attribute,
@@ -215,10 +215,10 @@ def during(name: str, *context: Any) -> Iterator[None]:
     with contextlib.ExitStack() as stack:
         for patch in entries(name):
             assert patch.undone, f"{name!r} stays in place: install it"
-            make = _resolve(patch.make)
+            make = resolve(patch.make)
             stack.enter_context(
                 patching.during(
-                    _resolve(patch.owners[0]),
+                    resolve(patch.owners[0]),
                     patch.attributes(),
                     patch.name,
                     lambda attribute, current, make=make: make(attribute, current, *context),
@@ -248,7 +248,7 @@ def use_layout(layout: str) -> None:
     if _layout.get("name") != layout:
         if "hooks" in _layout:
             step_hooks.remove(_layout.pop("hooks"))
-        _layout.update(name=layout, hooks=add_step_hooks(**_resolve(LAYOUTS[layout])))
+        _layout.update(name=layout, hooks=add_step_hooks(**resolve(LAYOUTS[layout])))
 
 
 def add_step_hooks(**hooks: Any) -> dict:
@@ -285,7 +285,7 @@ def _slots(patches):
         if patch.when_imported and patch.owners[0].rsplit(".", 1)[0] not in sys.modules:
             continue
         for owner_name in patch.owners:
-            owner = _resolve(owner_name)
+            owner = resolve(owner_name)
             slots += [
                 (owner, attribute)
                 for attribute in patch.attributes()
@@ -295,11 +295,12 @@ def _slots(patches):
 
 
 def _holds(patch, owner, attribute):
-    return attribute in patch.attributes() and any(_resolve(name) is owner for name in patch.owners)
+    return attribute in patch.attributes() and any(resolve(name) is owner for name in patch.owners)
 
 
-def _resolve(dotted: str) -> Any:
-    """The object "module:attribute" or "package.module.Class" names, imported."""
+def resolve(dotted: str) -> Any:
+    """The object "module:attribute" or "package.module.Class" names, imported; an
+    ``ImportError`` or ``AttributeError`` if there is none."""
     if ":" in dotted:
         module, attribute = dotted.split(":")
         return getattr(importlib.import_module(module), attribute)
