@@ -376,6 +376,19 @@ def test_a_dataloader_with_worker_processes_is_warned_about_before_forking(cores
         assert tpunb.launch(_sums, loader) == [2016.0] * 8
 
 
+def test_a_dataloader_whose_workers_the_host_has_cpus_for_is_not_warned_about(cores8):
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from tpunb.launcher import preflight
+
+    # One rank in a process of its own, one worker: as torch_xla's own examples run them.
+    loader = DataLoader(TensorDataset(torch.arange(64.0)), batch_size=8, num_workers=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tpunb.TpunbWarning)
+        plan, _ = preflight.checked(1, hang_timeout=600, view=False, fn=_sums, args=(loader,))
+    assert plan.cores == 1
+
+
 def _open_descriptors():
     """{descriptor: what it is} of this process."""
     found = {}

@@ -27,6 +27,7 @@ class Plan:
 
     cores: int  # ranks the launch runs: all cores, or 1
     simulated: bool
+    ranks_per_process: int = 1  # more where ranks are threads of a process (v2-8, v3-8, threads)
 
 
 def checked(
@@ -71,7 +72,7 @@ def plan(requested=None):
     # Imports torch_xla: once a TPU or a simulation has set its device (PJRT_DEVICE).
     upstream.check(upstream.LAUNCH, "tpunb's launch")
     if requested is None or requested == layout.cores:
-        return Plan(cores=layout.cores, simulated=layout.simulated)
+        return Plan(layout.cores, layout.simulated, layout.ranks_per_process)
     if requested == 1 and not isinstance(requested, bool):
         return Plan(cores=1, simulated=layout.simulated)
     where = (
@@ -154,16 +155,27 @@ def check_callable(fn, args, kwargs):
 
 
 def warn_about_worker_processes(plan, args, kwargs):
-    """A DataLoader argument whose workers each rank would fork: warned, with the cost."""
+    """A DataLoader argument whose workers each rank would fork, where that costs: more
+    workers than the host has CPUs, or ranks that are threads of one process (a fork there
+    copies the other ranks' threads mid-step). Warned, with the cost."""
+    cpus = os.cpu_count() or 1
     for loader in [a for a in (*args, *kwargs.values()) if _forks_workers(a)]:
         workers = loader.num_workers
+        shared = plan.ranks_per_process > 1
+        if plan.cores * workers <= cpus and not shared:
+            continue  # as torch_xla's own examples run them
+        cost = (
+            "Forking a process whose other rank threads run XLA can deadlock, and the "
+            "workers compete with the ranks for the CPU."
+            if shared
+            else "The workers compete with the ranks for the CPU."
+        )
         warn(
             f"A DataLoader with num_workers={workers} is passed to launch: each of the "
             f"{plan.cores} ranks will fork {workers} worker processes from its own forked "
-            f"process ({plan.cores * workers} in all, on {os.cpu_count()} CPUs). Forking a "
-            "process whose other threads run XLA can deadlock, and the workers compete "
-            "with the ranks for the CPU. For data already in memory use num_workers=0; "
-            "otherwise keep ranks x workers within the host's CPUs."
+            f"process ({plan.cores * workers} in all, on {cpus} CPUs). {cost} For data "
+            "already in memory use num_workers=0; otherwise keep ranks x workers within the "
+            "host's CPUs."
         )
 
 
