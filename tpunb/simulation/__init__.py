@@ -120,7 +120,7 @@ def simulate(
 
     spawned.set_simulation(count, instead_of_tpu, layout)
     registry.use_layout(layout)  # the simulation's patches and the layout's, no others
-    functional_collectives.install()
+    functional_collectives.register_kernels()
     if layout == "threads":
         rank_cpu.install()
     shared_process.install()  # also for plain xmp.spawn and Lightning's launcher

@@ -53,10 +53,10 @@ _extraction = threading.local()  # per rank thread: inside the openxla backend's
 _library = []  # the registration: kept alive, or torch drops the kernels
 
 
-def install():
-    """Registers the kernels (point 1) and makes the backend's extraction leave the
-    collectives between its graphs (point 2)."""
-
+def register_kernels():
+    """Registers the kernels (point 1), once; the backend's extraction leaves the
+    collectives between its graphs through the registry's "collectives between" patches
+    (point 2)."""
     if _library:
         return
     library = torch.library.Library("_c10d_functional", "IMPL")
