@@ -6,9 +6,10 @@
    hand with xmp.spawn (target: at most 1.05).
 3. The hang watchdog's cost: the same epoch with the watchdog on (the default) against
    hang_timeout=None (target: nothing measurable, i.e. within noise of 1.00).
-4. The ledger of collective calls (tpunb/launcher/ledger.py, always on): the same epoch
-   against the same launch with the recording taken out (target: at most 1.02), and what
-   one recorded call costs (xm.optimizer_step's all-reduce of the model's gradients).
+4. Each watcher (tpunb/launcher/watchers.py: compiles, reads, collectives, memory): the
+   same epoch against the same launch with that watcher left out (target: at most 1.02
+   each), and what one call recorded in the ledger of collective calls costs
+   (xm.optimizer_step's all-reduce of the model's gradients).
 
 Runs alternate between the two sides so drift on the machine hits both alike; each
 figure is the median of the repeats, and the ratio of the best runs is printed too (on
@@ -87,18 +88,17 @@ def against_xmp_spawn(fn):
     }
 
 
-def without_ledger(fn):
-    """tpunb.launch(fn) with no collective call recorded (for this measurement only)."""
-    import contextlib
+def launched_without(fn, name):
+    """tpunb.launch(fn) with the watcher ``name`` left out (as tpunb.launch, but for the
+    plan's ``unwatched``)."""
+    import dataclasses
 
-    from tpunb.launcher import ledger
+    from tpunb.launcher import preflight, supervise
+    from tpunb.launcher.xmp_spawn import XmpSpawn
 
-    recorded = ledger.recorded
-    ledger.recorded = lambda on_call: contextlib.nullcontext()
-    try:
-        return tpunb.launch(fn)
-    finally:
-        ledger.recorded = recorded
+    plan, view = preflight.checked(hang_timeout=600, view="auto", fn=fn)
+    plan = dataclasses.replace(plan, unwatched=frozenset({name}))
+    return supervise(plan, XmpSpawn(plan.cores), 600, view, fn)
 
 
 def one_recorded_call(calls=2000):
@@ -131,11 +131,14 @@ def main():
         "watchdog on": lambda: tpunb.launch(epoch),
     }
     compare("the same epoch, hang watchdog", watchdog, repeats, 1.00)
-    ledger = {
-        "ledger off": lambda: without_ledger(epoch),
-        "ledger on": lambda: tpunb.launch(epoch),
-    }
-    compare("the same epoch, collective ledger", ledger, repeats, 1.02)
+    from tpunb.launcher import watchers
+
+    for name in watchers.NAMES:
+        sides = {
+            f"{name} off": lambda name=name: launched_without(epoch, name),
+            f"{name} on": lambda: tpunb.launch(epoch),
+        }
+        compare(f"the same epoch, {name} watcher", sides, repeats, 1.02)
     print(f"one recorded collective call: {one_recorded_call() * 1e6:.1f} us (a call a step)")
 
 

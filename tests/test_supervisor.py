@@ -62,8 +62,8 @@ class _Records(base.Launcher):
                 job.channel.send(Returned([(core, pickle.dumps(core * 10))]))
 
 
-def _supervise(launcher):
-    plan = Plan(cores=launcher.cores, simulated=True)
+def _supervise(launcher, unwatched=frozenset()):
+    plan = Plan(cores=launcher.cores, simulated=True, unwatched=unwatched)
     return supervisor.supervise(plan, launcher, hang_timeout=None, view="text")
 
 
@@ -117,3 +117,37 @@ def test_a_ranks_error_is_the_launchs_outcome_with_the_rank_named():
         _supervise(_Records(2, failing=1))
     assert raised.value.ranks == (1,)
     assert "rank 1" in str(raised.value)
+
+
+class _Looking(_Records):
+    """Also notes which watchers the ranks would run, and which of their hooks they find."""
+
+    def start(self, key):
+        import torch
+        import torch_xla.core.xla_model as xm
+
+        from tpunb.upstream import patching
+
+        self.seen = (
+            rank.registered(key).watched,
+            "launch: reads" in patching.patches(torch.Tensor.item),
+            "launch: the ledger" in patching.patches(xm.all_reduce),
+        )
+        super().start(key)
+
+
+def test_each_watcher_can_be_left_out_by_name():
+    from tpunb.launcher import watchers
+
+    every = _Looking(2)
+    with warnings.catch_warnings(record=True):
+        watched = _supervise(every)
+    assert every.seen == (frozenset(watchers.NAMES), True, True)
+    assert watched.compiles.compiles == 4
+    none = _Looking(2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tpunb.TpunbWarning)  # the short batch's goes too
+        unwatched = _supervise(none, unwatched=frozenset(watchers.NAMES))
+    assert none.seen == (frozenset(), False, False)
+    assert list(unwatched) == [0, 10] and unwatched.compiles.compiles == 0
+    assert unwatched.history.values("loss") == watched.history.values("loss")

@@ -9,8 +9,10 @@ The machinery, one file a responsibility, in the order a launch meets it:
     xmp_spawn.py      ... on every core: xmp.spawn(fork)
     one_core.py       ... one rank in a child process (cores=1, debugging)
     supervisor.py   the notebook's side: starts the launcher, reads the ranks' messages
-                    into the history, compile watch and live view, stops everything on
-                    the first failure, a hang or an interrupt; the outcome
+                    into the history, the watchers and the live view, stops everything
+                    on the first failure, a hang or an interrupt; the outcome
+    watchers.py     what a launch watches, behind one seam (compiles, reads,
+                    collectives, memory): each can be left out by name
     rank.py         what runs in each rank: the job's function, its result or error back
     recorder.py     a rank's step records (tpunb.log values, batches, compilations)
     process_counters.py  the process's compile and fallback counters, a step's share

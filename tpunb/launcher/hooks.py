@@ -79,14 +79,25 @@ def excused(name, helper):
 
 @contextlib.contextmanager
 def installed():
+    """For the duration: every sync ends a step, every batch the loader hands out is
+    recorded, and what torch_xla's helpers read after a sync is excused (neither a cut nor
+    a step's compilation); what each watcher adds: ``reads_recorded``,
+    ``collectives_recorded``."""
     syncs = registry.add_step_hooks(before=_before_sync, after=_after_sync)
     try:
-        with (
-            registry.during("launch: batches"),
-            registry.during("launch: excused reads"),
-            reads.watched(_on_read),
-            ledger.recorded(_on_collective),
-        ):
+        with registry.during("launch: batches"), registry.during("launch: excused reads"):
             yield
     finally:
         step_hooks.remove(syncs)
+
+
+def reads_recorded():
+    """For the duration: reads of device values that cut a step or wait are recorded (the
+    "reads" watcher's)."""
+    return reads.watched(_on_read)
+
+
+def collectives_recorded():
+    """For the duration: each collective call is recorded in the ledger (the "collectives"
+    watcher's)."""
+    return ledger.recorded(_on_collective)

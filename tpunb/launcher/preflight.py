@@ -28,6 +28,7 @@ class Plan:
     cores: int  # ranks the launch runs: all cores, or 1
     simulated: bool
     ranks_per_process: int = 1  # more where ranks are threads of a process (v2-8, v3-8, threads)
+    unwatched: frozenset = frozenset()  # watchers left out (launcher/watchers.py)
 
 
 def checked(

@@ -44,6 +44,8 @@ class Job:
     channel: channel.Channel
     heartbeat: heartbeat.Heartbeat
     ledger: ledger.Ledger  # each rank's collective calls
+    # The watchers whose rank side runs (``watchers.NAMES``, less the plan's unwatched).
+    watched: frozenset = frozenset({"compiles", "reads", "collectives", "memory"})
     start: float = dataclasses.field(default_factory=time.monotonic)
     # pid -> the rank that reports the process's compilations (torch_xla counts per process)
     compile_reporters: dict = dataclasses.field(default_factory=dict)
@@ -77,8 +79,10 @@ def run(key: int, rank: int, work: Callable[[int], Any] | None = None) -> None:
         rank,
         job.channel,
         job.start,
-        job.heartbeat if reports_compiles else None,
-        job.ledger if job.cores > 1 else None,
+        job.heartbeat if reports_compiles and "compiles" in job.watched else None,
+        job.ledger if job.cores > 1 and "collectives" in job.watched else None,
+        memory="memory" in job.watched,
+        split_syncs="reads" in job.watched,
     )
     recorder.enter(recording)
     try:

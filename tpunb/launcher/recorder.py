@@ -24,9 +24,13 @@ _rank = threading.local()  # in a rank's thread: its Recorder
 class Recorder:
     """A rank's steps: filled in its thread, sent over the launch's channel."""
 
-    def __init__(self, rank, channel, start, heartbeat=None, ledger=None):
+    def __init__(
+        self, rank, channel, start, heartbeat=None, ledger=None, memory=True, split_syncs=True
+    ):
         """``heartbeat``: given to the one rank a process that reports its compilations;
-        ``ledger``: where the rank's collective calls go (``ledger.py``), if it has peers."""
+        ``ledger``: where the rank's collective calls go (``ledger.py``), if it has peers;
+        ``memory``: whether it reads its device's memory; ``split_syncs``: whether it looks
+        for syncs that split a step (its watchers, ``watchers.py``)."""
         self.rank = rank
         self.channel = channel
         self.start = start
@@ -46,7 +50,8 @@ class Recorder:
         # (what, file, line), or () for a loader's or a library's. None before any batch.
         self._batch_syncs = None
         self._ledger = ledger
-        self._memory = device_memory.Reader()
+        self._memory = device_memory.Reader() if memory else None
+        self._split_syncs = split_syncs
 
     def log(self, values):
         """Records ``values`` (name -> number or one-element tensor) for the current step."""
@@ -80,7 +85,7 @@ class Recorder:
         """A batch handed out by torch_xla's per-device loader ``device_loader`` (a new
         one each pass over the data)."""
         self._count_pass(device_loader)
-        self._batch_syncs = []
+        self._batch_syncs = [] if self._split_syncs else None
         shapes = _shapes(batch)
         if shapes:
             self._shapes.append(shapes)
@@ -167,7 +172,7 @@ class Recorder:
         if not sending:
             return
         _read_back([record.values for record in sending])  # floats from here on
-        use = self._memory.read()
+        use = self._memory.read() if self._memory is not None else None
         if use is not None:
             sending[-1].memory = tuple(use)
         self.channel.send(Steps.of(self.rank, sending), plain=True)

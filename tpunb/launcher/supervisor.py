@@ -24,10 +24,11 @@ from tpunb.launcher import (
     processes,
     rank,
     shared_process,
+    watchers,
 )
 from tpunb.launcher.messages import Ended, Raised, Returned, Steps
 from tpunb.machine import platform
-from tpunb.watch import compile_watch, device_memory, history, live
+from tpunb.watch import compile_watch, history, live
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable
@@ -80,20 +81,27 @@ def supervise(
         channel.Channel(),
         heartbeat.Heartbeat(plan.cores),
         ledger.Ledger(plan.cores),
+        frozenset(watchers.NAMES) - plan.unwatched,
     )
     key = rank.register(job)
     try:
         shared_process.install()  # ranks that are threads race to fall back and to fork
         stacks = heartbeat.stacks_on_signal() if hang_timeout else contextlib.nullcontext()
+        launch_history = history.History(plan.cores)
+        watching = watchers.of_launch(job, launch_history, plan.unwatched)
         with (
             platform.spawn_variables_removed(),
             hooks.installed(),
+            contextlib.ExitStack() as in_ranks,
             stacks as stacks,
             warnings.catch_warnings(),
         ):
+            for watcher in watching.values():
+                in_ranks.enter_context(watcher.in_ranks())
             warnings.filterwarnings("ignore", FORK_WARNING, DeprecationWarning)
             watchdog = heartbeat.Watchdog(job.heartbeat, hang_timeout, stacks)
-            return _Supervisor(plan, job, key, launcher, watchdog, view).run()
+            supervisor = _Supervisor(plan, job, key, launcher, watchdog, view)
+            return supervisor.run(launch_history, watching)
     finally:
         job = rank.unregister(key)
         job.heartbeat.close()
@@ -107,11 +115,7 @@ class _Supervisor:
         self.key = key
         self.launcher = launcher
         self.watchdog = watchdog
-        self.history = history.History(plan.cores)
-        self.compile_watch = compile_watch.CompileWatch(plan.cores)
-        self.view = live.Guarded(live.view(view, self.history, self.compile_watch))
-        self.memory = device_memory.Watch()
-        self.calls = ledger.Watch(job.ledger)  # the ranks' collective calls, compared
+        self.view_mode = view
         self.divergence = None
         self._stopped_since = None  # when a simulated rank was first stopped by a check
         self.processes = []  # the launch's multiprocessing.Process objects: exit codes
@@ -122,7 +126,17 @@ class _Supervisor:
         self.last_warnings = []  # the compile watch's, on the steps judged at the end
         self.stopping = False
 
-    def run(self):
+    def run(self, launch_history, watching):
+        """Starts the launcher and watches the ranks with ``watching`` (name -> watcher),
+        their steps kept in ``launch_history``; returns the outcome."""
+        self.history = launch_history
+        self.watchers = watching
+        self.calls = watching.get("collectives")  # the ranks' collective calls, compared
+        compiles = watching.get("compiles")
+        # Unwatched, the compile watch's summary and the view's panel stay empty.
+        unwatched = compile_watch.CompileWatch(self.plan.cores)
+        self.compile_watch = compiles.watch if compiles else unwatched
+        self.view = live.Guarded(live.view(self.view_mode, self.history, self.compile_watch))
         thread = threading.Thread(target=self._start, name="tpunb-launcher", daemon=True)
         with processes.recording_children(thread) as self.processes:
             self.job.channel.start()
@@ -139,10 +153,11 @@ class _Supervisor:
                 thread.join(5)
                 self.job.channel.finish()
                 self._read_inbox()
-                # The steps no later one completed are judged now: the final figure draws
-                # every step's compilations as the summary counts them.
-                self.last_warnings = self.compile_watch.finish()
-                self.history.judge(self.compile_watch.take_verdicts())
+                # Warned only if the launch succeeds; the compile watch judges the last steps
+                # here, for the final figure.
+                self.last_warnings = [
+                    message for watcher in self.watchers.values() for message in watcher.finish()
+                ]
                 self.view.close(failed=not self._succeeded())
         try:
             return self._outcome()
@@ -174,8 +189,9 @@ class _Supervisor:
             self.view.update()
             if time.monotonic() >= next_check and not self.stopping:  # however busy the inbox
                 self.hang = self.watchdog.check()
-                warned, self.divergence = self.calls.check()
-                self._warn(warned)
+                for watcher in self.watchers.values():
+                    self._warn(watcher.check())
+                self.divergence = self.calls.divergence if self.calls else None
                 next_check = time.monotonic() + HANG_CHECK_SECONDS
             if self._failed():  # the first failure stops every rank
                 self.stopping = True
@@ -186,9 +202,8 @@ class _Supervisor:
         if isinstance(message, Steps):
             steps = message.steps()
             self.history.add(message.rank, steps)
-            self._warn(self.compile_watch.add(message.rank, steps))
-            self._warn(self.memory.add(message.rank, steps))
-            self.history.judge(self.compile_watch.take_verdicts())
+            for watcher in self.watchers.values():
+                self._warn(watcher.add(message.rank, steps))
         elif isinstance(message, Returned):
             self.results.update(message.results)
         elif isinstance(message, Raised):
@@ -230,10 +245,11 @@ class _Supervisor:
     def _diverged(self):
         """Whether the ranks took different paths to their collectives, and no rank's own
         error (other than a simulated rank's ``RankEnded``) came first."""
-        if any(not failure.consequence for failure in self.failures.values()):
+        if self.calls is None or any(not f.consequence for f in self.failures.values()):
             return False
         if self.divergence is None and (self.failures or self.hang):
-            _, self.divergence = self.calls.check(final=True)
+            self.calls.check(final=True)
+            self.divergence = self.calls.divergence
         return self.divergence is not None
 
     def _succeeded(self):
@@ -250,7 +266,8 @@ class _Supervisor:
         if self._diverged():
             raise ledger.divergence_error(self.divergence)
         if self.hang is not None:
-            raise failures.hang_error(self.hang, self.calls.behind(self.hang.running))
+            behind = self.calls.calls.behind(self.hang.running) if self.calls else None
+            raise failures.hang_error(self.hang, behind)
         if self.failures:
             raise failures.raised_error(self.failures, self.history.device_memory())
         expected = range(self.plan.cores)
@@ -265,7 +282,6 @@ class _Supervisor:
                 launcher_error=self.ended.error if self.ended else None,
             )
         self._warn(self.last_warnings)
-        self._warn(self.calls.check(final=True)[0])  # calls made since the last check
         return LaunchResults(
             [pickle.loads(self.results[r]) for r in expected],
             self.history,
