@@ -4,7 +4,8 @@ and returns what every rank returned.
 
 The machinery, one file a responsibility, in the order a launch meets it:
 
-    preflight.py    everything checked before a fork: the Plan (cores, simulated)
+    preflight.py    everything checked before a fork: the Plan (cores, simulated, ranks
+                    a process, watchers left out), which the job carries to the ranks
     base.py         Launcher: what starts the ranks (one small interface) ...
     xmp_spawn.py      ... on every core: xmp.spawn(fork)
     one_core.py       ... one rank in a child process (cores=1, debugging)

@@ -25,6 +25,8 @@ if TYPE_CHECKING:
     from collections.abc import Callable
     from typing import Any
 
+    from tpunb.launcher.preflight import Plan
+
 _jobs = {}
 _keys = itertools.count()
 # In a rank's process: the results of its finished ranks, sent together once all of the
@@ -40,12 +42,10 @@ class Job:
     fn: object  # called as fn(rank, *args, **kwargs)
     args: tuple
     kwargs: dict
-    cores: int
+    plan: Plan  # the cores, and the watchers left out
     channel: channel.Channel
     heartbeat: heartbeat.Heartbeat
     ledger: ledger.Ledger  # each rank's collective calls
-    # The watchers whose rank side runs (``watchers.NAMES``, less the plan's unwatched).
-    watched: frozenset = frozenset({"compiles", "reads", "collectives", "memory"})
     start: float = dataclasses.field(default_factory=time.monotonic)
     # pid -> the rank that reports the process's compilations (torch_xla counts per process)
     compile_reporters: dict = dataclasses.field(default_factory=dict)
@@ -75,14 +75,15 @@ def run(key: int, rank: int, work: Callable[[int], Any] | None = None) -> None:
         work = functools.partial(_call_function, job)
     job.heartbeat.enter(rank)
     reports_compiles = job.compile_reporters.setdefault(os.getpid(), rank) == rank
+    unwatched = job.plan.unwatched
     recording = recorder.Recorder(
         rank,
         job.channel,
         job.start,
-        job.heartbeat if reports_compiles and "compiles" in job.watched else None,
-        job.ledger if job.cores > 1 and "collectives" in job.watched else None,
-        memory="memory" in job.watched,
-        split_syncs="reads" in job.watched,
+        job.heartbeat if reports_compiles and "compiles" not in unwatched else None,
+        job.ledger if job.plan.cores > 1 and "collectives" not in unwatched else None,
+        memory="memory" not in unwatched,
+        split_syncs="reads" not in unwatched,
     )
     recorder.enter(recording)
     try:

@@ -77,11 +77,10 @@ def supervise(
         fn,
         args,
         kwargs or {},
-        plan.cores,
+        plan,
         channel.Channel(),
         heartbeat.Heartbeat(plan.cores),
         ledger.Ledger(plan.cores),
-        frozenset(watchers.NAMES) - plan.unwatched,
     )
     key = rank.register(job)
     try:

@@ -119,7 +119,7 @@ class Memory(Watcher):
 def of_launch(job: Job, history: History, unwatched: Iterable[str] = ()) -> dict[str, Watcher]:
     """The launch's watchers by name, less those ``unwatched`` names."""
     made = {
-        "compiles": lambda: Compiles(job.cores, history),
+        "compiles": lambda: Compiles(job.plan.cores, history),
         "reads": Reads,
         "collectives": lambda: Collectives(job),
         "memory": Memory,
