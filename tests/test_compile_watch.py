@@ -240,6 +240,24 @@ def test_every_read_that_cuts_a_step_is_named_once_with_its_line(cores8):
     assert len(messages) == 7
 
 
+def test_the_reads_and_the_compile_watch_left_out_record_nothing_in_the_ranks(cores8):
+    import dataclasses
+
+    from tpunb.launcher import preflight, supervise
+    from tpunb.launcher.xmp_spawn import XmpSpawn
+
+    plan, view = preflight.checked(hang_timeout=600, view=False, fn=_reads_mid_step)
+    plan = dataclasses.replace(plan, unwatched=frozenset({"reads", "compiles"}))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tpunb.TpunbWarning)  # none of the 7 above
+        results = supervise(plan, XmpSpawn(plan.cores), 600, view, _reads_mid_step)
+    assert len(results) == 8
+    steps = [step for steps in results.history.steps.values() for step in steps]
+    assert len(steps) >= 8 * STEPS
+    assert all(not step.reads and step.compiles is None for step in steps)
+    assert results.compiles.compiles == 0
+
+
 def _syncs_in_a_batch(rank, model, loader, where):
     """A loader's steps with a sync of the notebook's own: in the middle of the step (the
     step runs as two graphs) or at its end (the loader's sync then has nothing to run)."""
