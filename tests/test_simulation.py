@@ -148,7 +148,7 @@ def test_a_learner_on_a_one_core_tpu_can_ask_for_8_simulated_cores_instead():
     assert warning.startswith("Only 1 TPU core (Colab's TPU is a v5e-1 or a v6e-1)")
     assert warning.endswith("tpunb.simulate(cores=8, instead_of_tpu=True)."), result.stderr
     assert simulated == "8 None 8 TPU cores simulated on the CPU instead of this host's TPU v5e-1"
-    assert plan == "Plan(cores=8, simulated=True, ranks_per_process=1)"  # a v5e-8's
+    assert plan.startswith("Plan(cores=8, simulated=True, ranks_per_process=1,")  # a v5e-8's
 
 
 def test_torch_xla_imported_before_simulate_still_gets_working_collectives():
