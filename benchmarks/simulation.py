@@ -3,7 +3,7 @@ data-parallel training on 8 simulated cores against
 
 1. the same rank-steps run one after another on a single XLA CPU device (8 replicas of the
    model, each trained on its core's shard, no collective): what the simulation adds to
-   torch_xla on the CPU (threads, collectives, barriers).
+   torch_xla on the CPU (a process a core, collectives on the host).
 2. plain PyTorch on the CPU, one model trained on the global batch: what simulating costs
    against training the same numbers without torch_xla.
 
@@ -13,8 +13,8 @@ their shard through tpunb.shard in a tpunb.launch.
 
 and JAX's own simulation of 8 host devices on the same workload, the speed anchor (when
 jax is installed: the [kaggle] extra has it, or pip install jax). The simulated cores run
-in both layouts (one process a core, and one process of 8 threads), and again, with JAX,
-pinned to one CPU (taskset -c 0), to show how the simulation uses the CPUs it has.
+again, with JAX, pinned to one CPU (taskset -c 0), to show how the simulation uses the
+CPUs it has.
 
 Each side runs in its own Python process (each needs its own XLA runtime), one after
 another, alternating; a side's first epoch compiles and is not timed. The figures are
@@ -24,7 +24,6 @@ Run: python benchmarks/simulation.py [--epochs N] [--repeats N] [--batch N]
 
 import argparse
 import copy
-import functools
 import importlib.util
 import json
 import os
@@ -93,10 +92,10 @@ def _simulated_epochs(rank, epochs, loader):
     return _timed(epochs, epoch, xm.wait_device_ops)
 
 
-def simulated(epochs, batch, layout):
+def simulated(epochs, batch):
     import tpunb
 
-    tpunb.simulate(cores=CORES, layout=layout)
+    tpunb.simulate(cores=CORES)
     loader = DataLoader(DATASET, batch_size=batch, drop_last=True)
     per_rank = tpunb.launch(_simulated_epochs, epochs, loader, live=False)
     # An epoch ends with its slowest core.
@@ -217,14 +216,13 @@ def jax_devices(epochs, batch):
 
 
 SIDES = {
-    "processes": functools.partial(simulated, layout="processes"),
-    "threads": functools.partial(simulated, layout="threads"),
+    "simulated": simulated,
     "serial": serial,
     "one-device": one_device,
     "plain": plain,
     "jax": jax_devices,
 }
-PINNED = ("processes", "threads", "jax")  # also run on one CPU (taskset -c 0)
+PINNED = ("simulated", "jax")  # also run on one CPU (taskset -c 0)
 
 
 def _run_side(name, epochs, batch, pinned=False):
@@ -262,30 +260,22 @@ def main():
     )
     for name, pinned in runs:
         print(f"  {name + (' on one CPU' if pinned else ''):24} {epoch[name, pinned]:6.3f}")
-    processes, threads = epoch["processes", False], epoch["threads", False]
+    simulated = epoch["simulated", False]
     serial, plain = epoch["serial", False], epoch["plain", False]
     one_cpu = {name: epoch[name, False] / epoch[name, True] for name in PINNED if name in sides}
-    print(
-        "8 simulated cores in the default layout, a process a core as on a v5e-8 (in brackets: "
-        'layout="threads", one process of 8 threads)'
-    )
+    print("8 simulated cores, a process a core as on a v5e-8:")
     if has_jax:
-        jax = epoch["jax", False]
-        _ratio("/ JAX's 8 host devices", processes / jax, threads / jax, "<= 2.0")
+        _ratio("/ JAX's 8 host devices", simulated / epoch["jax", False], "<= 2.0")
     else:
         print("  / JAX's 8 host devices: jax is not installed (pip install jax)")
     jax_one_cpu = f"; JAX {one_cpu['jax']:.2f}" if has_jax else ""
-    _ratio(
-        "/ the same on one CPU", one_cpu["processes"], one_cpu["threads"], "<= 0.6" + jax_one_cpu
-    )
-    _ratio("/ serial rank-steps", processes / serial, threads / serial, "<= 0.8")
-    _ratio("/ the threads layout", processes / threads, None, "<= 1.2")
-    _ratio("/ plain PyTorch", processes / plain, threads / plain, "")
+    _ratio("/ the same on one CPU", one_cpu["simulated"], "<= 0.6" + jax_one_cpu)
+    _ratio("/ serial rank-steps", simulated / serial, "<= 0.8")
+    _ratio("/ plain PyTorch", simulated / plain, "")
 
 
-def _ratio(what, processes, threads, target):
-    threads = f"({threads:5.2f})" if threads is not None else " " * 7
-    print(f"  {what:28} {processes:5.2f} {threads}  {'target ' + target if target else ''}")
+def _ratio(what, ratio, target):
+    print(f"  {what:28} {ratio:5.2f}  {'target ' + target if target else ''}")
 
 
 if __name__ == "__main__":

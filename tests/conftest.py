@@ -31,10 +31,8 @@ ROOT = pathlib.Path(__file__).parent.parent
 # the lessons on Kaggle's pair (torch_xla 2.8) on 8 simulated cores under nbval, against
 # their committed outputs, as on Kaggle's v5e-8; on Colab's pair (torch_xla 2.9) each on one
 # core, as on Colab's v5e-1 or v6e-1 (test_lessons_on_one_core.py); a test marked
-# ``@pytest.mark.pair("colab")`` or ``("kaggle")`` on that pair only; a test run in each
-# simulation layout (``cores8_each_layout``, or a ``layout`` parameter) in both layouts on
-# Kaggle's pair, in the process layout (the default, a v5e-8's) on Colab's, where the
-# ``cores8`` tests run the default layout too. With another torch_xla, everything runs.
+# ``@pytest.mark.pair("colab")`` or ``("kaggle")`` on that pair only. With another
+# torch_xla, everything runs.
 # (The hook sees the notebooks' items too: it runs for the whole collection.)
 _PAIRS = {"2.9": "colab", "2.8": "kaggle"}
 
@@ -58,9 +56,6 @@ def pytest_collection_modifyitems(config, items):
         elif item.path.name == "test_lessons_on_one_core.py":
             only = "colab"
             why = "the lessons run on one core on Colab's pair, on 8 under nbval here"
-        elif _layout(item) == "threads":
-            only = "kaggle"
-            why = "each layout on Kaggle's pair; here, the process layout and the cores8 tests"
         else:
             marker = item.get_closest_marker("pair")
             if marker is None:
@@ -68,12 +63,6 @@ def pytest_collection_modifyitems(config, items):
             only, why = marker.args[0], marker.kwargs.get("reason", "")
         if only != pair:
             item.add_marker(pytest.mark.skip(reason=f"on {only.capitalize()}'s pair only: {why}"))
-
-
-def _layout(item):
-    """The simulation layout a test is parametrized with, if it is."""
-    params = getattr(getattr(item, "callspec", None), "params", {})
-    return params.get("cores8_each_layout", params.get("layout"))
 
 
 @pytest.fixture(autouse=True)
@@ -87,31 +76,10 @@ def restore_environment():
 
 @pytest.fixture
 def cores8():
-    """8 TPU cores simulated on the CPU with the real torch_xla, in the default layout: a
-    process a core, as on a TPU v5e-8."""
+    """8 TPU cores simulated on the CPU with the real torch_xla: a process a core, as on a
+    TPU v5e-8."""
     tpunb.simulate(cores=8)
     return 8
-
-
-@pytest.fixture
-def cores8_processes():
-    """8 TPU cores simulated in 8 processes, as a TPU v5e-8 runs them."""
-    tpunb.simulate(cores=8, layout="processes")
-    return 8
-
-
-@pytest.fixture
-def cores8_threads():
-    """8 TPU cores simulated as threads of one process, for what only that layout has."""
-    tpunb.simulate(cores=8, layout="threads")
-    return 8
-
-
-@pytest.fixture(params=["processes", "threads"])
-def cores8_each_layout(request):
-    """8 simulated TPU cores in each layout: a process a core, and one process of threads."""
-    tpunb.simulate(cores=8, layout=request.param)
-    return request.param
 
 
 def launch_leftovers():

@@ -1,7 +1,7 @@
-"""Every form of torch_xla's collectives gives the same bits on a process a core (computed on
-the host) as on the threads (computed by XLA's CPU backend): one tensor and lists, ``output=``
-(which takes the result's shape), pin_layout true and false, groups, scale, the bucketized
-forms, over the shapes and dtypes of pytorch/xla's own test_mp_* tests."""
+"""Every form of torch_xla's collectives gives, on each simulated core, the bits XLA defines:
+one tensor and lists, ``output=`` (which takes the result's shape), pin_layout true and
+false, groups, scale, the bucketized forms, over the shapes and dtypes of pytorch/xla's own
+test_mp_* tests. The reference is computed here from every rank's inputs, drawn again."""
 
 import pytest
 import torch
@@ -13,20 +13,29 @@ HALVES = [[0, 1, 2, 3], [4, 5, 6, 7]]
 SHARD = 2  # test_mp_reduce_scatter.py's shard_size
 
 
+def _inputs(rank, dtype):
+    """Rank ``rank``'s tensor and list of three, drawn from its own seed."""
+    generator = torch.Generator().manual_seed(rank)
+
+    def drawn():
+        return torch.randint(-8, 9, (32, SHARD * CORES, 32), generator=generator).to(dtype)
+
+    return drawn(), [drawn() for _ in range(3)], generator
+
+
 def _forms(rank, dtype):
     import torch_xla
     import torch_xla.core.xla_model as xm
 
     device = torch_xla.device()
-    generator = torch.Generator().manual_seed(rank)
+    one, several, generator = _inputs(rank, dtype)
+    one, several = one.to(device), [t.to(device) for t in several]
 
     def drawn(*shape):
         values = torch.randint(-8, 9, shape, generator=generator).to(dtype)
         return values.to(device)
 
     results = {}
-    one = drawn(32, SHARD * CORES, 32)
-    several = [drawn(32, SHARD * CORES, 32) for _ in range(3)]
     for pinned in (True, False):
         name = "pinned" if pinned else "unpinned"
         results[f"reduce_{name}"] = xm.all_reduce(xm.REDUCE_SUM, one, pin_layout=pinned)
@@ -67,24 +76,58 @@ def _forms(rank, dtype):
     }
 
 
+def _expected(rank, dtype):
+    """What XLA defines each form to give rank ``rank``: reductions in rank order, a scale
+    applied in the values' own dtype (an int32 scale of 0.5 is 0, as XLA's CPU backend gave
+    while the simulation could also run its collectives), shards and groups by rank."""
+    ones, severals = zip(*[_inputs(r, dtype)[:2] for r in range(CORES)], strict=True)
+    half = HALVES[rank // 4]
+
+    def scaled(value, scale):
+        return value * torch.tensor(scale, dtype=dtype)
+
+    def shard(whole, count, index):
+        size = whole.shape[1] // count
+        return whole.narrow(1, index * size, size)
+
+    total = torch.stack(ones).sum(0, dtype=dtype)
+    totals = [torch.stack([s[i] for s in severals]).sum(0, dtype=dtype) for i in range(3)]
+    gathered = [torch.cat([s[i] for s in severals], 0) for i in range(3)]
+    halves = scaled(torch.stack([ones[r] for r in half]).sum(0, dtype=dtype), 0.25)
+    scattered = [shard(t, CORES, rank) for t in totals]
+    maxima = [torch.stack([s[i] for s in severals]).amax(0) for i in range(3)]
+    return {
+        **{f"reduce_{name}": total for name in ("pinned", "unpinned")},
+        **{f"reduce_list_{name}": maxima for name in ("pinned", "unpinned")},
+        **{f"gather_{name}": torch.cat(ones, 1) for name in ("pinned", "unpinned")},
+        "reduce_halves_scaled": scaled(
+            torch.stack([ones[r] for r in half]).sum(0, dtype=dtype), 0.5
+        ),
+        "gather_list": gathered,
+        "gather_list_output": gathered[:1],
+        "gather_bucketized": gathered,
+        "scatter": shard(total, CORES, rank),
+        "scatter_halves": shard(halves, 4, half.index(rank)),
+        "scatter_list": scattered,
+        "scatter_list_output": scattered,
+        "scatter_output": shard(total, CORES, rank),
+        "scatter_bucketized": scattered,
+        "to_all": torch.cat([shard(one, CORES, rank) for one in ones], 0),
+    }
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int32])
-def test_each_collective_form_gives_the_threads_xla_results_on_a_process_a_core(dtype):
-    # XLA's CPU backend refuses bfloat16 collectives ("AllReduce for datatype 'bf16' is not
-    # supported"), where a TPU runs them: the processes' bfloat16 results are checked
-    # against XLA's float32 ones, exact for these small integers.
-    by_xla_in = torch.float32 if dtype == torch.bfloat16 else dtype
-    tpunb.simulate(cores=CORES, layout="threads")
-    by_xla = tpunb.launch(_forms, by_xla_in, live=False)
-    tpunb.simulate(cores=CORES, layout="processes")
-    on_host = tpunb.launch(_forms, dtype, live=False)
+def test_each_collective_form_gives_what_xla_defines_on_every_core(cores8, dtype):
+    results = tpunb.launch(_forms, dtype, live=False)
     for rank in range(CORES):
-        assert by_xla[rank].keys() == on_host[rank].keys()
-        for key in by_xla[rank]:
-            xla, host = by_xla[rank][key], on_host[rank][key]
-            xla, host = (xla, host) if isinstance(xla, list) else ([xla], [host])
-            assert len(xla) == len(host), key
-            for a, b in zip(xla, host, strict=True):
-                assert a.shape == b.shape and b.dtype == dtype, (rank, key)
-                assert torch.equal(a.to(dtype), b), (rank, key)
+        expected = _expected(rank, dtype)
+        assert results[rank].keys() == expected.keys()
+        for key, want in expected.items():
+            got = results[rank][key]
+            got, want = (got, want) if isinstance(got, list) else ([got], [want])
+            assert len(got) == len(want), key
+            for a, b in zip(got, want, strict=True):
+                assert a.dtype == dtype and a.shape == b.shape, (rank, key)
+                assert torch.equal(a, b), (rank, key)
     # The shard each rank keeps is its own: the shapes of test_mp_reduce_scatter.py.
-    assert on_host[3]["scatter_list_output"][0].shape == (32, SHARD, 32)
+    assert results[3]["scatter_list_output"][0].shape == (32, SHARD, 32)

@@ -80,7 +80,7 @@ def _xm_collectives(rank):
     return values
 
 
-def test_every_xm_collective_gives_what_the_math_says(cores8_each_layout):
+def test_every_xm_collective_gives_what_the_math_says(cores8):
     results = tpunb.launch(_xm_collectives)
     ranks = range(CORES)
     for rank, got in enumerate(results):
@@ -123,7 +123,7 @@ def _send_and_recv(rank):
     return xm.recv(torch.zeros(2, device=device), channel_id=rank - 1).tolist()
 
 
-def test_send_and_recv_pair_ranks_by_channel(cores8_each_layout):
+def test_send_and_recv_pair_ranks_by_channel(cores8):
     results = tpunb.launch(_send_and_recv)
     for rank, got in enumerate(results):
         sender = rank - 1
@@ -210,7 +210,7 @@ def _torch_distributed(rank):
     }
 
 
-def test_torch_distributed_with_the_xla_backend(cores8_each_layout):
+def test_torch_distributed_with_the_xla_backend(cores8):
     results = tpunb.launch(_torch_distributed)
     ranks = range(CORES)
     for rank, got in enumerate(results):
@@ -307,9 +307,7 @@ def _assert_same_parameters(states, reference):
 
 
 @pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
-def test_sync_batch_norm_training_equals_batch_norm_on_the_global_batch(
-    cores8_each_layout, optimizer
-):
+def test_sync_batch_norm_training_equals_batch_norm_on_the_global_batch(cores8, optimizer):
     from torch_xla.core.functions import SyncBatchNorm
 
     inputs, targets, model = _problem(SyncBatchNorm)
@@ -322,7 +320,7 @@ def test_sync_batch_norm_training_equals_batch_norm_on_the_global_batch(
 
 
 @pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
-def test_distributed_data_parallel_training_equals_the_global_batch(cores8_each_layout, optimizer):
+def test_distributed_data_parallel_training_equals_the_global_batch(cores8, optimizer):
     inputs, targets, model = _problem(lambda width: torch.nn.Identity())
     states = tpunb.launch(_train_with_ddp, inputs, targets, model, optimizer)
     reference = in_forked_process(_train_on_one_device, inputs, targets, model, optimizer)
@@ -344,7 +342,7 @@ def _dropped_after_a_collective(rank):
 
 
 def test_a_tensor_the_program_drops_is_freed_after_a_collective_it_went_through(
-    cores8_each_layout,
+    cores8,
 ):
     # A rank's collective call once kept its caller's frames, and with them every tensor
     # of the call (those of a step that failed on the device too) until its next call.

@@ -30,7 +30,7 @@ def _sequences(count=1024, seed=0):
 
 def _model():
     torch.manual_seed(0)
-    return torch.nn.Linear(4, 1)  # built in the notebook: ranks are threads sharing torch's RNG
+    return torch.nn.Linear(4, 1)  # built in the notebook: every rank starts from its weights
 
 
 def _masked_mean_model_step(rank, model, loader):
@@ -116,9 +116,7 @@ def test_four_buckets_compile_at_most_four_step_graphs_after_the_warm_up(naive_a
     compiles = bucketed.compiles
     assert len({shape[0][1] for shape in compiles.shapes}) <= 4
     assert compiles.compiles_after_warmup <= 4
-    # Each batch shape the buckets remove is a graph less to compile. Counted as graphs:
-    # ranks that are threads of one process and meet a new graph at the same time may each
-    # compile it (the simulation's syncs do not; a read mid-step such as .item() may).
+    # Each batch shape the buckets remove is a graph less to compile.
     removed_shapes = len(naive.compiles.shapes) - len(compiles.shapes)
     assert removed_shapes >= 16
     naive_graphs = sum(_graphs_by_process(naive).values())
@@ -396,8 +394,7 @@ def test_a_short_last_batch_is_named_and_padding_it_removes_the_compilation(core
     padded, messages = run(tpunb.BucketCollate([LENGTHS.stop], batch_size=8))
     assert {shape[0][0] for shape in padded.compiles.shapes} == {8}
     assert not [m for m in messages if "short last batch" in m]
-    # The short batch compiled after the warm-up; padded, nothing did. (Warm-up counts vary
-    # by a graph or two: ranks that are threads may both compile a graph new to both.)
+    # The short batch compiled after the warm-up; padded, nothing did.
     assert padded.compiles.compiles_after_warmup == 0 < short.compiles.compiles_after_warmup
 
 
@@ -413,7 +410,7 @@ def _limited_step(rank, sizes, max_graphs):
     return len(sizes)
 
 
-@pytest.mark.parametrize("cores", [8, 1], ids=["threads-share-a-process", "one-rank-a-process"])
+@pytest.mark.parametrize("cores", [8, 1], ids=["every-core", "one-core"])
 def test_limit_graphs_fails_fast_on_one_graph_too_many(cores8, cores):
     assert tpunb.launch(_limited_step, [5, 7, 5, 7], 2, cores=cores) == [4] * cores
     with pytest.raises(tpunb.RankError) as caught:

@@ -35,8 +35,8 @@ def _train_on_every_core(rank, model, dataset, optimizer, shuffle):
     from torch_xla.distributed.parallel_loader import MpDeviceLoader
 
     device = torch_xla.device()
-    # The ranks are threads of one process here (as on v2/v3: two a process), so each
-    # takes its own copy of the model built before the launch.
+    # Each rank takes its own copy of the model built before the launch, as torch_xla's
+    # examples do (on a TPU v2/v3 two ranks shared a process, and so the model).
     model = copy.deepcopy(model).to(device)
     sampler = DistributedSampler(
         dataset, num_replicas=xr.world_size(), rank=xr.global_ordinal(), shuffle=shuffle, seed=7
@@ -75,7 +75,7 @@ def _train_on_one_device(model, dataset, optimizer, shuffle):
 
 
 @pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
-def test_8_cores_match_single_device_training_on_the_global_batch(cores8_each_layout, optimizer):
+def test_8_cores_match_single_device_training_on_the_global_batch(cores8, optimizer):
     dataset, model = _problem()
     states = tpunb.launch(_train_on_every_core, model, dataset, optimizer, shuffle=False)
     reference = in_forked_process(_train_on_one_device, model, dataset, optimizer, False)

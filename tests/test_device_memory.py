@@ -105,3 +105,15 @@ def test_out_of_memory_is_recognized_as_each_torch_xla_and_device_words_it():
     ]
     assert all(device_memory.is_out_of_memory(text) for text in said)
     assert not device_memory.is_out_of_memory("INVALID_ARGUMENT: shapes f32[4] and f32[5]")
+
+
+def test_a_device_that_reports_no_limit_shows_its_use_and_never_divides_by_it():
+    # A limit of 0 (a device that reports none) raised ZeroDivisionError in the progress
+    # line and in an out-of-memory error's words.
+    history = History(2)
+    history.add(0, [_step(0, 2.0, limit=0)])
+    history.add(1, [_step(0, 3.0, limit=0)])
+    parts = Snapshot.of(history, compiles=0, elapsed=1.0).parts()
+    assert "device memory 3.0 GiB" in parts  # the core that uses most, with no limit to show
+    last = device_memory.Use(3 * GiB, 4 * GiB, 0)
+    assert device_memory.in_words(last) == "3.0 GiB, peak 4.0 GiB (no limit reported)"

@@ -54,6 +54,36 @@ def test_tpu_generation_cores_and_launch_layout_come_from_pci(
     assert (report.processes, report.threads_per_process) == layout
 
 
+def test_a_tpu_with_two_cores_a_process_is_described_and_its_launch_refused(tmp_path):
+    # TPU v2 and v3 run two cores a process (threads): no platform offers one now, and
+    # tpunb launches a process a core. Refused before anything starts, with what to do.
+    root = _fake_pci(tmp_path, *["0x0027"] * 4)
+    result = run_python(
+        f"""
+        import functools, os
+        os.environ["TPU_ACCELERATOR_TYPE"] = "v3-8"
+        import tpunb
+        from tpunb import hardware
+        hardware.detect = functools.partial(hardware.detect, {str(root)!r})
+        report = tpunb.env()
+        print(report.cores, report.processes, report.threads_per_process)
+        print([w for w in report.warnings if "2 cores a process" in w])
+        try:
+            tpunb.launch(lambda rank: rank)
+        except tpunb.TpunbError as error:
+            print(error)
+        """
+    )
+    lines = result.stdout.splitlines()
+    assert lines[0] == "8 4 2", result.stderr[-3000:]
+    assert "tpunb.launch runs only where each core has its process" in lines[1]
+    assert lines[2].startswith(
+        "This v3-8 runs 4 processes x 2 threads: two cores share each process, and tpunb "
+        "launches one core a process"
+    ), result.stdout + result.stderr[-3000:]
+    assert "tpunb.launch(fn, cores=1)" in lines[2]
+
+
 def test_no_google_device_means_no_tpu(tmp_path):
     assert hardware.detect(_fake_pci(tmp_path)) is None
 
@@ -108,25 +138,13 @@ def test_report_without_simulation_says_how_to_simulate():
     assert result.stdout.split("\n")[:2] == [f"None 0 {versions} script", "True"], result.stderr
 
 
-@pytest.mark.parametrize(
-    "layout, processes, described, warned",
-    [
-        ("processes", 8, "8 processes x 1 thread: a process a core, as on a TPU v5e", False),
-        ("threads", 1, "1 process x 8 threads: the simulation's threads layout", True),
-    ],
-)
-def test_report_of_simulated_cores_as_text_and_html(layout, processes, described, warned):
-    tpunb.simulate(cores=8, layout=layout)
+def test_report_of_simulated_cores_as_text_and_html():
+    tpunb.simulate(cores=8)
     report = tpunb.env()
-    assert (report.cores, report.processes, report.threads_per_process) == (
-        8,
-        processes,
-        8 // processes,
-    )
+    assert (report.cores, report.processes, report.threads_per_process) == (8, 8, 1)
     assert not report.runtime_started
-    assert not any("No TPU here" in w for w in report.warnings)
-    # Threads share what a v5e-8's processes do not: said, with the way to the processes.
-    assert any("tpunb.simulate(cores=8) without layout=" in w for w in report.warnings) == warned
+    assert report.warnings == ()
+    described = "8 processes x 1 thread: a process a core, as on a TPU v5e"
     text = str(report)
     assert "8 TPU cores simulated on the CPU" in text and described in text
     html = report._repr_html_()

@@ -113,9 +113,7 @@ def _assert_trained_like(module, reference, initial):
         torch.testing.assert_close(tensor, reference[name], rtol=0, atol=1e-5)
 
 
-def test_a_plain_trainer_fits_on_8_simulated_cores_with_lightnings_sampler(
-    cores8_each_layout, tmp_path
-):
+def test_a_plain_trainer_fits_on_8_simulated_cores_with_lightnings_sampler(cores8, tmp_path):
     network = _network()
     model = Regression(network, seen_dir=tmp_path)
     trainer = lightning.Trainer(accelerator="tpu", devices=8, max_epochs=1, **_quiet(tmp_path))

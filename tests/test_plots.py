@@ -31,14 +31,15 @@ def test_bars_reads_top_to_bottom_in_the_order_given_each_with_its_number():
 def test_launch_layouts_draws_a_box_a_process_and_a_numbered_dot_a_rank():
     from matplotlib.patches import Circle, FancyBboxPatch
 
-    figure = plots.launch_layouts({"v3-8": (4, 2), "simulated": (1, 8)})
+    figure = plots.launch_layouts({"v3-8": (4, 2), "v5e-1": (1, 1), "simulated": (8, 1)})
     ax = figure.axes[0]
-    assert sum(isinstance(p, FancyBboxPatch) for p in ax.patches) == 4 + 1
-    assert sum(isinstance(p, Circle) for p in ax.patches) == 8 + 8
+    assert sum(isinstance(p, FancyBboxPatch) for p in ax.patches) == 4 + 1 + 8
+    assert sum(isinstance(p, Circle) for p in ax.patches) == 8 + 1 + 8
     texts = [t.get_text() for t in ax.texts]
     assert "v3-8\n4 processes x 2 threads = 8 ranks" in texts
-    assert "simulated\n1 process x 8 threads = 8 ranks" in texts
-    assert sorted(t for t in texts if t.isdigit()) == sorted([str(r) for r in range(8)] * 2)
+    assert "v5e-1\n1 process x 1 thread = 1 rank" in texts
+    assert "simulated\n8 processes x 1 thread = 8 ranks" in texts
+    assert sorted(t for t in texts if t.isdigit()) == sorted([str(r) for r in range(8)] * 2 + ["0"])
 
 
 def test_samples_seen_puts_each_cores_samples_on_its_row():

@@ -1,4 +1,4 @@
-"""One process a simulated core (``tpunb.simulate(layout="processes")``, the default): each
+"""One process a simulated core (``tpunb.simulate``): each
 rank sees what a rank of a TPU v5e-8 sees, its state is its process's own, and a launch
 that fails leaves no process and no shared memory behind."""
 
@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import torch
-from conftest import launch_leftovers
+from conftest import launch_leftovers, run_python
 
 import tpunb
 from tpunb.errors import RankEnded
@@ -46,7 +46,7 @@ def _what_a_rank_sees(rank):
     }
 
 
-def test_each_rank_is_a_process_that_sees_what_a_v5e_8_rank_sees(cores8_processes):
+def test_each_rank_is_a_process_that_sees_what_a_v5e_8_rank_sees(cores8):
     torch.manual_seed(11)
     expected = torch.rand(1).item()
     torch.manual_seed(11)
@@ -84,9 +84,7 @@ def _stops(rank, how):
         ("is killed", Exception, "it was killed: its process exited|terminated abruptly"),
     ],
 )
-def test_a_rank_that_ends_stops_a_plain_xmp_spawn_and_leaves_nothing(
-    cores8_processes, how, error, message
-):
+def test_a_rank_that_ends_stops_a_plain_xmp_spawn_and_leaves_nothing(cores8, how, error, message):
     import torch_xla.distributed.xla_multiprocessing as xmp
 
     segments = set(os.listdir(SHARED_MEMORY))
@@ -105,7 +103,7 @@ def _ends_early(rank, fails):
     return xm.all_reduce(xm.REDUCE_SUM, torch.ones(1, device=torch_xla.device())).item()
 
 
-def test_twenty_launches_failed_ones_among_them_leave_nothing_behind(cores8_processes):
+def test_twenty_launches_failed_ones_among_them_leave_nothing_behind(cores8):
     segments = set(os.listdir(SHARED_MEMORY))
     for launch in range(20):
         fails = launch % 4 == 3
@@ -118,23 +116,32 @@ def test_twenty_launches_failed_ones_among_them_leave_nothing_behind(cores8_proc
     assert set(os.listdir(SHARED_MEMORY)) == segments
 
 
-def test_the_default_layout_is_a_v5e_8s_on_every_machine_unless_the_variable_chooses(
-    monkeypatch,
-):
-    from tpunb import simulation
-
-    monkeypatch.delenv(simulation.LAYOUT_VARIABLE, raising=False)
-    assert simulation.default_layout() == "processes"  # on this 2-CPU machine too
-    monkeypatch.setenv(simulation.LAYOUT_VARIABLE, "threads")
-    assert simulation.default_layout() == "threads"
-    monkeypatch.setenv(simulation.LAYOUT_VARIABLE, "fibers")
-    with pytest.raises(tpunb.TpunbError, match="TPUNB_SIMULATION_LAYOUT='fibers'"):
+def test_a_layout_or_the_layout_variable_is_refused_with_why(monkeypatch):
+    # The threads layout is retired: asking for a layout is refused, never ignored.
+    monkeypatch.delenv("TPUNB_SIMULATION_LAYOUT", raising=False)
+    why = "a process a core, as on Kaggle's TPU v5e-8 .*threads layout.* is retired"
+    for layout in ("threads", "processes"):
+        with pytest.raises(tpunb.TpunbError, match=rf"layout='{layout}'\): .*{why}.*leave layout="):
+            tpunb.simulate(cores=8, layout=layout)
+    monkeypatch.setenv("TPUNB_SIMULATION_LAYOUT", "threads")
+    with pytest.raises(tpunb.TpunbError, match=f"LAYOUT='threads': .*{why}.*unset TPUNB_SIM"):
         tpunb.simulate(cores=8)
 
 
-def test_a_layout_that_does_not_exist_is_refused_before_anything_starts():
-    with pytest.raises(tpunb.TpunbError, match="layout='fibres'.*'processes'.*'threads'"):
-        tpunb.simulate(cores=8, layout="fibres")
+def test_simulate_after_importing_tpunb_simulate_takes_simulates_arguments():
+    # ``import tpunb.simulate`` makes the command line's module tpunb.simulate: calling it
+    # still takes every argument of simulate() (it dropped layout=, a TypeError). In a
+    # process of its own: the import replaces tpunb.simulate for the whole process.
+    result = run_python(
+        """
+        import tpunb, tpunb.simulate
+        try:
+            tpunb.simulate(cores=8, layout="threads")
+        except tpunb.TpunbError as error:
+            print("refused:", error)
+        """
+    )
+    assert result.stdout.startswith("refused: simulate(layout='threads'): "), result.stderr
 
 
 @pytest.mark.pair("colab", reason="on Kaggle's, the process layout's debug-output test sees it")
@@ -153,7 +160,7 @@ def test_ranks_that_end_at_once_still_each_run_in_a_process_of_their_own(tmp_pat
         "if __name__ == '__main__':\n"
         "    torch_xla.launch(rank)\n"
     )
-    command = [sys.executable, "-m", "tpunb.simulate", "--cores", "2", "--layout", "processes"]
+    command = [sys.executable, "-m", "tpunb.simulate", "--cores", "2"]
     result = subprocess.run([*command, str(script)], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     ranks = sorted(line.split() for line in result.stdout.splitlines() if line.startswith("rank"))

@@ -7,7 +7,6 @@ import re
 import shutil
 import subprocess
 import sys
-import time
 
 import pytest
 from conftest import launch_leftovers, run_python
@@ -16,22 +15,20 @@ THIRD_PARTY = os.path.join(os.path.dirname(__file__), "third_party")
 
 
 def _run(args, cwd=None, timeout=300):
-    start = time.monotonic()
-    result = subprocess.run(
+    return subprocess.run(
         [sys.executable, *args], capture_output=True, text=True, timeout=timeout, cwd=cwd
     )
-    return result, time.monotonic() - start
 
 
 @pytest.mark.pair("colab", reason="spawn alike on both pairs; a failing spawned rank on Kaggle's")
 def test_a_script_runs_unchanged_with_the_spawn_start_method():
     script = os.path.join(THIRD_PARTY, "train_script.py")
     # 4 cores: each spawned rank is a new interpreter importing torch_xla (CI time).
-    result, _ = _run(["-m", "tpunb.simulate", "--cores", "4", script, "--lr", "0.05"])
+    result = _run(["-m", "tpunb.simulate", "--cores", "4", script, "--lr", "0.05"])
     assert result.returncode == 0, result.stderr[-3000:]
     assert "world size 4, same weights on every core: True" in result.stdout
     # Without the simulation the same script runs on one CPU device.
-    result, _ = _run([script, "--lr", "0.05"])
+    result = _run([script, "--lr", "0.05"])
     assert "world size 1" in result.stdout, result.stderr[-3000:]
 
 
@@ -41,7 +38,7 @@ def test_a_spawned_rank_that_fails_stops_the_script_at_once_with_its_error():
     before = {p.pid for p in launch_leftovers()}
     # The other ranks wait in the all-reduce: they stop with rank 3's end (a TPU would wait
     # forever, past _run's time-out; XLA's own rendezvous would abort them with its own error).
-    result, _ = _run(["-m", "tpunb.simulate", "--cores", "4", script])
+    result = _run(["-m", "tpunb.simulate", "--cores", "4", script])
     assert result.returncode == 1
     last_line = result.stderr.strip().splitlines()[-1]
     assert last_line == "ValueError: rank 3 found no data", result.stderr[-3000:]
@@ -53,7 +50,7 @@ def test_a_script_torchrun_starts_runs_unchanged_a_process_a_core():
     script = os.path.join(THIRD_PARTY, "torchrun_script.py")
     before = set(os.listdir("/dev/shm"))
     torchrun = ["-m", "torch.distributed.run", "--nproc-per-node", "2"]
-    result, _ = _run([*torchrun, "-m", "tpunb.simulate", "--cores", "2", script])
+    result = _run([*torchrun, "-m", "tpunb.simulate", "--cores", "2", script])
     assert result.returncode == 0, result.stderr[-3000:]
     # The two processes print to one pipe: a line may land inside the other's.
     lines = sorted(re.findall(r"rank \d of \d on xla:\d: sum \d+", result.stdout))
@@ -61,14 +58,14 @@ def test_a_script_torchrun_starts_runs_unchanged_a_process_a_core():
     # Local rank 0 closed the meeting once both had ended: nothing left in shared memory.
     assert not {name for name in set(os.listdir("/dev/shm")) - before if "tpunb" in name}
     # Started for another count of cores, a rank says so before anything runs.
-    result, _ = _run([*torchrun, "-m", "tpunb.simulate", "--cores", "8", script])
+    result = _run([*torchrun, "-m", "tpunb.simulate", "--cores", "8", script])
     assert "torchrun started 2 processes on this host (2 in all) for 8 simulated" in result.stderr
 
 
 def test_the_command_line_says_what_is_wrong_before_running_anything(tmp_path):
-    result, _ = _run(["-m", "tpunb.simulate", str(tmp_path / "missing.py")])
+    result = _run(["-m", "tpunb.simulate", str(tmp_path / "missing.py")])
     assert result.returncode == 2 and "no such script" in result.stderr
-    result, _ = _run(["-m", "tpunb.simulate", "--cores", "0", str(tmp_path / "missing.py")])
+    result = _run(["-m", "tpunb.simulate", "--cores", "0", str(tmp_path / "missing.py")])
     assert result.returncode != 0
 
 
@@ -103,21 +100,20 @@ def test_a_plain_xmp_spawn_after_simulate_works_and_a_failing_rank_stops_it():
 
         xmp.spawn(step, args=(False,), start_method="fork")
         print("no failure: returned")
-        start = time.monotonic()
         try:
             xmp.spawn(step, args=(True,), start_method="fork")
         except KeyError as error:
-            print("raised", repr(error), time.monotonic() - start < 10)
+            print("raised", repr(error))
         """
     )
     assert result.stdout.splitlines()[-2:] == [
         "no failure: returned",
-        "raised KeyError('rank 5') True",
+        "raised KeyError('rank 5')",
     ], result.stderr[-3000:]
 
 
 def _pytest(args, cwd):
-    return _run(["-m", "pytest", "-p", "no:cacheprovider", *args], cwd=cwd)[0]
+    return _run(["-m", "pytest", "-p", "no:cacheprovider", *args], cwd=cwd)
 
 
 @pytest.mark.pair("kaggle", reason="a Kaggle notebook, on Kaggle's torch_xla")
@@ -146,20 +142,18 @@ def test_plain_tests_of_tpu_code_run_on_the_simulated_cores(tmp_path):
     assert result.returncode == 4 and "--tpunb-simulate=0" in result.stderr, result.stderr
 
 
-# Both layouts on Colab's pair: torch_xla 2.9 lowers dist.send and dist.recv to a
-# collective_permute of one pair; 2.8's raise NotImplementedError (make_send_channel_id),
-# on a TPU too.
+# On Colab's pair: torch_xla 2.9 lowers dist.send and dist.recv to a collective_permute of
+# one pair; 2.8's raise NotImplementedError (make_send_channel_id), on a TPU too.
 @pytest.mark.pair("colab", reason="torch.distributed's send and recv are torch_xla 2.9's")
-@pytest.mark.parametrize("simulated_layout", ["processes", "threads"])
-def test_send_and_recv_through_torch_distributed_pair_the_ranks_they_name(simulated_layout):
+def test_send_and_recv_through_torch_distributed_pair_the_ranks_they_name():
     script = os.path.join(THIRD_PARTY, "point_to_point.py")
-    command = ["-m", "tpunb.simulate", "--cores", "4", "--layout", simulated_layout, script]
-    result, _ = _run(command)
+    command = ["-m", "tpunb.simulate", "--cores", "4", script]
+    result = _run(command)
     assert result.returncode == 0, result.stderr[-3000:]
     said = sorted(line for line in result.stdout.splitlines() if line.startswith("rank "))
     assert said == [f"rank {rank}: pipeline right, ring right" for rank in range(4)]
     # A real divergence is still named: rank 1 receives a shape rank 0 did not send.
-    result, _ = _run([*command, "--mismatch"])
+    result = _run([*command, "--mismatch"])
     assert result.returncode == 1
     assert "Ranks 0 and 1 cannot pair up: rank 0 sent collective_permute(float32[2, 4]" in (
         result.stderr

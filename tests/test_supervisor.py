@@ -151,3 +151,37 @@ def test_each_watcher_can_be_left_out_by_name():
     assert none.seen == (frozenset(watchers.NAMES), False, False)
     assert list(unwatched) == [0, 10] and unwatched.compiles.compiles == 0
     assert unwatched.history.values("loss") == watched.history.values("loss")
+
+
+class _SlowToEnd(_Records):
+    """A rank fails, and the launcher takes three of the supervisor's stops to end, as
+    processes do that take a moment to die."""
+
+    def __init__(self, cores, kills):
+        super().__init__(cores, failing=0)
+        self.kills = kills
+
+    def start(self, key):
+        super().start(key)
+        self.kills.wait(timeout=120)  # a fence: the supervisor stops it long before
+
+
+def test_while_stopping_the_supervisor_looks_for_processes_to_kill_once_a_check(monkeypatch):
+    # It spun: once stopping, its loop no longer waited for the inbox and rescanned /proc
+    # for processes to kill on every turn, thousands of times a second.
+    import threading
+    import time
+
+    calls, kills = [], threading.Event()
+
+    def kill_trees(pids):
+        calls.append(time.monotonic())
+        if len(calls) == 3:
+            kills.set()
+
+    monkeypatch.setattr(supervisor.processes, "kill_trees", kill_trees)
+    with pytest.raises(tpunb.RankError, match="no more data"):
+        _supervise(_SlowToEnd(2, kills))
+    gaps = [later - earlier for earlier, later in zip(calls, calls[1:], strict=False)]
+    # A check's wait between two looks (a busy machine only makes them longer).
+    assert len(gaps) >= 2 and min(gaps) >= supervisor.HANG_CHECK_SECONDS / 2, gaps

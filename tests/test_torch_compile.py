@@ -116,7 +116,7 @@ def _collective_compiled_with_symbolic_shapes(rank):
 
 
 @pytest.mark.pair("colab", reason="the same mechanism as Kaggle's fullgraph test: checked once")
-def test_a_collective_compiled_with_symbolic_shapes_gives_every_call_its_result(cores8_processes):
+def test_a_collective_compiled_with_symbolic_shapes_gives_every_call_its_result(cores8):
     # The backend compiles a graph of symbolic shapes whole, with nothing to run between its
     # parts: it runs as dynamo traced it, the collective between its operations. Compiled
     # whole, the first call's collective result would have been every call's.

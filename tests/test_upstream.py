@@ -104,19 +104,27 @@ def _shouting(name, method):
     return shouted
 
 
+class _Twin(_Base):
+    def write(self):
+        return "twin"
+
+
 def test_the_launchs_patches_are_put_back_as_they_were_also_on_an_error():
     from tpunb.upstream import patching
 
-    owner = _Owner()
+    owner, twin = _Owner(), _Twin()
     try:
-        with patching.during(_Owner, ["read", "write"], "shout", _shouting):
+        # Two owners, as torch_xla.sync is torch_xla's and torch_xla.torch_xla's: both patched
+        # (only the first was, once).
+        with patching.during((_Owner, _Twin), ["read", "write"], "shout", _shouting):
             assert (owner.read(), owner.write()) == ("BASE!", "OWNER!")
+            assert (twin.read(), twin.write()) == ("BASE!", "OWNER!")  # the first owner's
             raise KeyError("the launch failed")
     except KeyError:
         pass
-    assert (owner.read(), owner.write()) == ("base", "owner")
-    assert "read" not in vars(_Owner)  # inherited again, not copied down
-    assert list(patching.patches(_Owner.write)) == []
+    assert (owner.read(), owner.write(), twin.write()) == ("base", "owner", "twin")
+    assert "read" not in vars(_Owner) and "read" not in vars(_Twin)  # inherited again
+    assert list(patching.patches(_Owner.write)) == list(patching.patches(_Twin.write)) == []
 
 
 def test_every_patch_in_the_registry_has_its_maker_and_its_upstream_names():
@@ -124,50 +132,35 @@ def test_every_patch_in_the_registry_has_its_maker_and_its_upstream_names():
 
     absent = []
     for patch in registry.PATCHES:
-        if patch.when_imported:  # Lightning's: checked by the LIGHTNING list
-            continue
         if patch.make is not None and not callable(registry.resolve(patch.make)):
             absent.append(patch.make)
         for owner in patch.owners:
             found = [hasattr(registry.resolve(owner), name) for name in patch.attributes()]
-            if not (any(found) if patch.optional else all(found)):
+            if not all(found):
                 absent.append(f"{owner}: {patch.attributes()}")
     assert absent == []
 
 
-def _chains():
-    """The patches on the attributes that differ between the layouts, outermost first."""
-    import torch.distributed.distributed_c10d as c10d
+def test_simulate_installs_each_of_the_simulations_patches_once():
     import torch_xla
     import torch_xla._internal.pjrt as pjrt
     import torch_xla.core.xla_model as xm
 
-    from tpunb.upstream import patching
+    from tpunb.upstream import patching, step_hooks
 
-    return (
-        list(patching.patches(xm.all_reduce)),
-        list(patching.patches(torch_xla._XLAC._xla_collective_permute)),
-        list(patching.patches(pjrt._run_thread_per_device)),
-        list(patching.patches(c10d._world)),
-    )
+    def chains():
+        return (
+            list(patching.patches(xm.all_reduce)),
+            list(patching.patches(torch_xla._XLAC._xla_collective_permute)),
+            list(patching.patches(pjrt._run_thread_per_device)),
+            len(step_hooks._hooks["after"]),
+        )
 
-
-def test_each_layout_is_its_set_of_patches_and_none_of_the_others():
-    processes = (["on the host"], ["among some", "on the host"], ["a rank process"], [])
-    threads = (
-        ["own graph"],
-        ["among some", "own graph"],
-        ["rank threads"],
-        ["a world for each rank"],
-    )
-    tpunb.simulate(cores=8, layout="processes")
-    assert _chains() == processes
-    tpunb.simulate(cores=8, layout="threads")
-    assert _chains() == threads
-    tpunb.simulate(cores=8, layout="threads")  # installed once
-    assert _chains() == threads
-    tpunb.simulate(cores=8, layout="processes")
-    assert _chains() == processes
+    tpunb.simulate(cores=8)
+    first = chains()
+    assert first[:3] == (["on the host"], ["among some", "on the host"], ["a rank process"])
+    tpunb.simulate(cores=4)
+    assert chains() == first  # the same patches, the step hooks added once
 
 
 def _upstream_names(tree):

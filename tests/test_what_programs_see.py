@@ -59,10 +59,9 @@ def _analyses(stderr):
     return found
 
 
-@pytest.mark.parametrize("layout", ["threads", "processes"])
-def test_torch_xlas_debug_output_names_the_users_sync_and_line(layout, tmp_path):
+def test_torch_xlas_debug_output_names_the_users_sync_and_line(tmp_path):
     script = _script("sync_debug.py")
-    command = ["--layout", layout, script]
+    command = [script]
     # Written to a file, where torch_xla appends each analysis whole: on stderr the analyses
     # of two rank processes can interleave, and one seen run parsed 5 of them.
     debug = tmp_path / "debug.txt"
@@ -70,20 +69,12 @@ def test_torch_xlas_debug_output_names_the_users_sync_and_line(layout, tmp_path)
     output = debug.read_text()
     analyses = _analyses(output)
     kinds = re.findall(r"Analysis: (Compilation|Execution) Cause", output)
-    if layout == "processes":
-        # As on a v5e-8, only the host's first process (PJRT_LOCAL_PROCESS_RANK 0) prints:
-        # its 2 graphs (the first step's, then the others') compiled, its 3 steps executed.
-        assert sorted(kinds) == ["Compilation"] * 2 + ["Execution"] * 3, output[-3000:]
-    else:
-        # One process: both ranks' 3 steps executed, the graphs compiled 2 to 4 times.
-        assert kinds.count("Execution") == 2 * 3 and 2 <= kinds.count("Compilation") <= 4
+    # As on a v5e-8, only the host's first process (PJRT_LOCAL_PROCESS_RANK 0) prints: its 2
+    # graphs (the first step's, then the others') compiled, its 3 steps executed.
+    assert sorted(kinds) == ["Compilation"] * 2 + ["Execution"] * 3, output[-3000:]
     line = next(n for n, text in enumerate(open(script), 1) if "torch_xla.sync()  #" in text)
     for cause, frames in analyses:
         assert cause == "user torch_xla.sync"
-        if layout == "threads" and frames[0][0] == "train":
-            # Seen once (a full run on 2 loaded CPUs): torch_xla printed a rank thread's
-            # frames without its `sync` (read after it returned); the user's line is first.
-            frames = [("sync", "torch_xla.py", 0), *frames]
         (sync, sync_file, _), (user, user_file, user_line) = frames[:2]
         assert (sync, os.path.basename(sync_file)) == ("sync", "torch_xla.py")
         assert (user, user_file, int(user_line)) == ("train", script, line)
@@ -143,47 +134,37 @@ def test_collectives_compiled_with_fullgraph_give_every_call_its_result():
     # dynamo refused the simulation's collective ("Skip calling torch.compiler.disable()d
     # function"), and dist.all_reduce gave each rank its own value; on a v5e-8 process the
     # collective compiles into the graph.
-    result = _simulated(["--layout", "processes", _script("compiled_collectives.py")], cores=2)
+    result = _simulated([_script("compiled_collectives.py")], cores=2)
     lines = sorted(re.findall(r"rank \d+: \d of 9 compiled results right", result.stdout))
     assert lines == [f"rank {rank}: 9 of 9 compiled results right" for rank in range(2)]
 
 
 @pytest.mark.pair("colab", reason="torch_xla 2.9's dynamo tests, whose style the script follows")
-@pytest.mark.parametrize("simulated_layout", ["processes", "threads"])
-def test_collectives_compiled_without_fullgraph_give_every_call_its_result(simulated_layout):
+def test_collectives_compiled_without_fullgraph_give_every_call_its_result():
     # Without fullgraph the backend partitions around the collectives: dist.all_gather_into_tensor
     # crashed ("Failed to get computation by hash"), a compiled broadcast returned its first
     # call's result at every call, and dynamic=True was refused. A broadcast and the work after
     # it run as one graph, as on a TPU (torch_xla's test_traceable_collectives.py counts it);
-    # the threads run each collective as a graph of its own (docs/simulation.md).
     script = _script("compiled_without_fullgraph.py")
-    result = _simulated(["--layout", simulated_layout, script], cores=2)
-    # The threads' prints may interleave: each is matched whole, wherever it is.
+    result = _simulated([script], cores=2)
+    # The ranks' prints may interleave: each is matched whole, wherever it is.
     said = r"rank \d+: \d+ of 24 right, \d of 6 broadcasts one graph, counted (?:True|False)"
     lines = sorted(re.findall(said, result.stdout))
-    broadcasts = 6 if simulated_layout == "processes" else 0
     assert lines == [
-        f"rank {rank}: 24 of 24 right, {broadcasts} of 6 broadcasts one graph, counted True"
+        f"rank {rank}: 24 of 24 right, 6 of 6 broadcasts one graph, counted True"
         for rank in range(2)
     ], result.stdout[-3000:]
 
 
 @pytest.mark.pair("colab", reason="the pairs' torch.distributed alike: checked once")
-@pytest.mark.parametrize("simulated_layout", ["processes", "threads"])
-def test_torch_distributed_counts_its_collectives_and_ddp_bucket_views(simulated_layout):
-    # The process layout computes collectives on the host, where torch_xla's C++ counters
-    # were not counted; it counts them as torch_xla would. On the threads the counters are
-    # the process's, shared by its rank threads: one rank's met.clear_all() clears the
-    # others' counts (as on a TPU v3's two threads a process), so only the processes are
-    # checked. DDP's bucket views: right on the processes (the host all-reduce writes the
-    # bucket through copy_, which its views see), wrong on the threads and on a TPU
-    # (XLA's in-place all-reduce sets the bucket beneath functionalization;
+def test_torch_distributed_counts_its_collectives_and_ddp_bucket_views():
+    # The simulation computes collectives on the host, where torch_xla's C++ counters were
+    # not counted; it counts them as torch_xla would. DDP's bucket views train as on the
+    # CPU: the host all-reduce writes the bucket through copy_, which its views see (on a
+    # TPU XLA's in-place all-reduce sets the bucket beneath functionalization;
     # docs/simulation.md).
     script = _script("distributed_counters_and_ddp.py")
-    result = _simulated(["--layout", simulated_layout, script], cores=2)
+    result = _simulated([script], cores=2)
     said = r"rank (\d+): counters (True|False), bucket views train as the CPU (True|False)"
-    ranks = sorted(re.findall(said, result.stdout))  # the threads' prints may interleave
-    processes = str(simulated_layout == "processes")
-    assert [(rank, views) for rank, _, views in ranks] == [("0", processes), ("1", processes)]
-    if simulated_layout == "processes":
-        assert all(counters == "True" for _, counters, _ in ranks), result.stdout[-3000:]
+    ranks = sorted(re.findall(said, result.stdout))  # the ranks' prints may interleave
+    assert ranks == [("0", "True", "True"), ("1", "True", "True")], result.stdout[-3000:]

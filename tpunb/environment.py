@@ -41,7 +41,7 @@ class Environment(reports.Report):
 
     @property
     def processes(self) -> int:
-        """Processes a launch starts: one per TPU chip; one for all simulated cores."""
+        """Processes a launch starts: one per TPU chip, one per simulated core."""
         return self.layout.processes if self.layout else 0
 
     @property
@@ -76,11 +76,7 @@ class Environment(reports.Report):
         if self.layout is None:
             return "-"
         text = self.layout.describe()
-        if not self.layout.simulated:
-            return text
-        if self.layout.ranks_per_process == 1:
-            return f"{text}: a process a core, as on a TPU v5e"
-        return f"{text}: the simulation's threads layout (a TPU v5e runs a process a core)"
+        return f"{text}: a process a core, as on a TPU v5e" if self.layout.simulated else text
 
     def _content(self):
         return "tpunb environment", self._rows(), self.warnings
@@ -137,20 +133,12 @@ def _warnings(report):
             "simulate them on the host's CPU instead of the TPU (far slower): "
             "tpunb.simulate(cores=8, instead_of_tpu=True)."
         )
-    if report.threads_per_process > 1 and report.simulated_cores:
+    if report.threads_per_process > 1:
         yield (
-            f"The {report.cores} simulated cores run as threads of one process "
-            "(layout='threads'): they share its objects, torch's random number generator and "
-            "torch_xla's counters, where each rank of a TPU v5e-8 has its own process. "
-            "Build the model before the launch and in each rank take copy.deepcopy(model) "
-            f"before .to(device); tpunb.simulate(cores={report.cores}) without layout= runs "
-            "a process a core."
-        )
-    elif report.threads_per_process > 1:
-        yield (
-            f"{report.threads_per_process} ranks run as threads of each process, so they share "
-            "its objects and torch's random number generator: build the model before the "
-            "launch, and in each rank take copy.deepcopy(model) before .to(device)."
+            f"This TPU runs {report.threads_per_process} cores a process (threads sharing its "
+            "objects and torch's random number generator): tpunb.launch runs only where each "
+            "core has its process (v4 and later), or one core (cores=1); call torch_xla's "
+            "xmp.spawn directly here."
         )
     preset = platform.spawn_breaking_variables()
     if preset and report.tpu is not None:  # simulated cores never read them

@@ -24,12 +24,9 @@ def limit_graphs(step: Callable[..., T], max_graphs: int) -> Callable[..., T]:
     """Inside a launched function: ``step`` wrapped so that a call needing graph number
     ``max_graphs + 1`` raises TpunbError.
 
-    Where each process runs one rank (TPU v4, v5e, v6e, and ``cores=1``) this is
-    ``torch_xla.compile(step, max_different_graphs=max_graphs)``, which compares traced
-    graphs. Where ranks share a process (v2-8, v3-8 and the simulated cores), torch_xla's
-    detector is one per process and breaks across threads (it failed with "Check failed:
-    IsSessionActive()" on 8 simulated cores), so tpunb counts the distinct shapes and
-    dtypes of the step's tensor arguments instead: the cause the limit exists for.
+    This is ``torch_xla.compile(step, max_different_graphs=max_graphs)``, which compares
+    traced graphs, with tpunb's error: each rank runs in a process of its own, and
+    torch_xla's detector is one a process.
 
     Args:
         step: the training step, called with the batch's tensors.
@@ -44,15 +41,9 @@ def limit_graphs(step: Callable[..., T], max_graphs: int) -> Callable[..., T]:
             "limit_graphs(step, ...) wraps a step inside the function given to tpunb.launch: "
             "graphs are compiled by the ranks."
         )
-    name = getattr(step, "__qualname__", repr(step))
-    if cores.ranks_in_this_process() == 1:
-        return _with_torch_xla_detector(step, max_graphs, name)
-    return _by_input_shapes(step, max_graphs, name)
-
-
-def _with_torch_xla_detector(step, max_graphs, name):
     import torch_xla
 
+    name = getattr(step, "__qualname__", repr(step))
     compiled = torch_xla.compile(step, max_different_graphs=max_graphs)
 
     @functools.wraps(step)
@@ -68,53 +59,3 @@ def _with_torch_xla_detector(step, max_graphs, name):
             ) from error
 
     return limited
-
-
-def _by_input_shapes(step, max_graphs, name):
-    seen = {}
-
-    @functools.wraps(step)
-    def limited(*args, **kwargs):
-        key = _signature((args, kwargs))
-        if key not in seen:
-            if len(seen) == max_graphs:
-                before = "; ".join(_describe(k) for k in seen)
-                raise TpunbError(
-                    f"{name} was called with input shapes {_describe(key)}, a graph beyond the "
-                    f"{max_graphs} allowed (limit_graphs(..., max_graphs={max_graphs})); the "
-                    f"shapes seen before: {before}.\n{_FIX}"
-                )
-            seen[key] = None
-        return step(*args, **kwargs)
-
-    return limited
-
-
-class _Tensor(typing.NamedTuple):
-    shape: tuple
-    dtype: str
-
-    def __str__(self):
-        return f"{self.dtype}{list(self.shape)}"
-
-
-def _signature(value):
-    shape = getattr(value, "shape", None)
-    if shape is not None and hasattr(value, "dtype"):
-        return _Tensor(tuple(shape), str(value.dtype).removeprefix("torch."))
-    if isinstance(value, dict):
-        return tuple(_signature(v) for v in value.values())
-    if isinstance(value, (list, tuple)):
-        return tuple(_signature(v) for v in value)
-    return None
-
-
-def _describe(key):
-    def tensors(item):
-        if isinstance(item, _Tensor):
-            yield item
-        elif isinstance(item, tuple):
-            for part in item:
-                yield from tensors(part)
-
-    return ", ".join(map(str, tensors(key))) or "no tensors"

@@ -14,7 +14,7 @@ import pytest
 
 _SIMULATE_IN_KERNEL = """\
 import tpunb.simulation as __tpunb_simulation
-__tpunb_simulation.simulate(cores={cores}, instead_of_tpu={instead_of_tpu}, layout={layout!r})
+__tpunb_simulation.simulate(cores={cores}, instead_of_tpu={instead_of_tpu})
 del __tpunb_simulation
 """
 
@@ -28,14 +28,6 @@ def pytest_addoption(parser):
         default=None,
         help="simulate N TPU cores on the CPU, in the tests and in every notebook kernel "
         "nbval starts (--nbval), with the real torch_xla",
-    )
-    group.addoption(
-        "--tpunb-layout",
-        choices=("processes", "threads"),
-        default=None,
-        help="with --tpunb-simulate: one process a core, as on a TPU v5e-8 (processes), or "
-        "every core a thread of one process (threads); default: $TPUNB_SIMULATION_LAYOUT, "
-        "else processes",
     )
     group.addoption(
         "--tpunb-instead-of-tpu",
@@ -55,7 +47,6 @@ def pytest_configure(config):
         simulate(
             cores=cores,
             instead_of_tpu=config.getoption("tpunb_instead_of_tpu"),
-            layout=config.getoption("tpunb_layout"),
         )
     except TpunbError as error:
         raise pytest.UsageError(f"--tpunb-simulate={cores}: {error}") from None
@@ -72,7 +63,6 @@ def pytest_runtest_setup(item):
     code = _SIMULATE_IN_KERNEL.format(
         cores=cores,
         instead_of_tpu=item.config.getoption("tpunb_instead_of_tpu"),
-        layout=item.config.getoption("tpunb_layout"),
     )
     error = _run_in_kernel(kernel, code)
     if error:

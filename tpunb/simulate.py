@@ -29,13 +29,6 @@ def main(argv=None):
         action="store_true",
         help="simulate even on a machine with a TPU (on its CPU, far slower)",
     )
-    parser.add_argument(
-        "--layout",
-        choices=simulation.LAYOUTS,
-        default=None,
-        help="processes: one process a core, as on a TPU v5e-8; threads: every core a "
-        "thread of one process (default: $TPUNB_SIMULATION_LAYOUT, else processes)",
-    )
     parser.add_argument("-m", dest="module", help="run a module, as python -m does")
     parser.add_argument("script", nargs="?", help="the script to run, as python would")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="the script's arguments")
@@ -51,9 +44,7 @@ def main(argv=None):
     if options.module is None and not os.path.isfile(options.script):
         parser.error(f"no such script: {options.script}")
     try:
-        simulation.simulate(
-            cores=options.cores, instead_of_tpu=options.instead_of_tpu, layout=options.layout
-        )
+        simulation.simulate(cores=options.cores, instead_of_tpu=options.instead_of_tpu)
     except TpunbError as error:
         parser.exit(2, f"python -m tpunb.simulate: {error}\n")
     if options.module is not None:
@@ -82,8 +73,8 @@ class _Simulate(types.ModuleType):
     """``import tpunb.simulate`` makes this module the package's ``simulate``: it stays the
     function that simulates cores."""
 
-    def __call__(self, cores=8, instead_of_tpu=False):
-        return simulation.simulate(cores, instead_of_tpu)
+    def __call__(self, *args, **kwargs):
+        return simulation.simulate(*args, **kwargs)
 
 
 sys.modules[__name__].__class__ = _Simulate

@@ -4,10 +4,10 @@ and returns what every rank returned.
 
 The machinery, one file a responsibility, in the order a launch meets it:
 
-    preflight.py    everything checked before a fork: the Plan (cores, simulated, ranks
-                    a process, watchers left out), which the job carries to the ranks
+    preflight.py    everything checked before a fork: the Plan (cores, simulated,
+                    watchers left out), which the job carries to the ranks
     base.py         Launcher: what starts the ranks (one small interface) ...
-    xmp_spawn.py      ... on every core: xmp.spawn(fork)
+    xmp_spawn.py      ... on every core: xmp.spawn(fork), a process a core
     one_core.py       ... one rank in a child process (cores=1, debugging)
     supervisor.py   the notebook's side: starts the launcher, reads the ranks' messages
                     into the history, the watchers and the live view, stops everything
@@ -25,7 +25,6 @@ The machinery, one file a responsibility, in the order a launch meets it:
     ledger.py       each rank's collective calls in shared memory: ranks that diverged
     failures.py     what a failure is reported as, with its likely cause
     processes.py    the launch's processes: recorded, found, killed
-    shared_process.py  a process whose ranks are threads, made ready before they start
 
 What tpunb.lightning uses (its launcher is Lightning's own): ``preflight.checked``,
 ``preflight.check_runtime_not_started`` (again at fit), ``base.Launcher``,
@@ -44,8 +43,6 @@ from tpunb.launcher.xmp_spawn import XmpSpawn
 if TYPE_CHECKING:
     from collections.abc import Callable
     from typing import Any
-
-    from tpunb.launcher.supervisor import LaunchResults
 
 __all__ = ["LaunchResults", "launch"]
 

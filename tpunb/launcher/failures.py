@@ -172,13 +172,9 @@ def _where(stack):
     return f"in {innermost}"
 
 
-# Where the simulation's ranks wait for each other, in either layout (found, not imported:
-# they import torch_xla; a rename fails here, at import, instead of silently in a hang
-# report).
-_COLLECTIVES = [
-    importlib.util.find_spec(f"tpunb.simulation.{name}").origin
-    for name in ("collectives", "host_exchange")
-]
+# Where the simulation's ranks wait for each other (found, not imported: it imports
+# torch_xla; a rename fails here, at import, instead of silently in a hang report).
+_COLLECTIVES = [importlib.util.find_spec("tpunb.simulation.host_exchange").origin]
 
 
 def span(ranks):

@@ -25,9 +25,8 @@ if TYPE_CHECKING:
 class Plan:
     """What a launch will run on."""
 
-    cores: int  # ranks the launch runs: all cores, or 1
+    cores: int  # ranks the launch runs: all cores, or 1, each in a process of its own
     simulated: bool
-    ranks_per_process: int = 1  # more where ranks are threads of a process (v2-8, v3-8, threads)
     unwatched: frozenset = frozenset()  # watchers left out (launcher/watchers.py)
 
 
@@ -59,7 +58,7 @@ def checked(
 def plan(requested=None):
     """The cores a launch of ``requested`` cores (None: all) runs on; refuses what
     ``xmp.spawn`` cannot run: no TPU and no simulation, a runtime already started here,
-    a core count other than all or 1."""
+    a core count other than all or 1, a TPU that runs two cores a process (v2, v3)."""
     if not versions.has_torch_xla():
         raise TpunbError(versions.INSTALL_TORCH_XLA)
     check_runtime_not_started()
@@ -72,10 +71,17 @@ def plan(requested=None):
         )
     # Imports torch_xla: once a TPU or a simulation has set its device (PJRT_DEVICE).
     upstream.check(upstream.LAUNCH, "tpunb's launch")
-    if requested is None or requested == layout.cores:
-        return Plan(layout.cores, layout.simulated, layout.ranks_per_process)
     if requested == 1 and not isinstance(requested, bool):
         return Plan(cores=1, simulated=layout.simulated)
+    if requested is None or requested == layout.cores:
+        if layout.ranks_per_process > 1:
+            raise TpunbError(
+                f"This {layout.tpu.accelerator_type} runs {layout.describe()}: two cores share "
+                "each process, and tpunb launches one core a process, as every TPU Colab and "
+                "Kaggle offer today does (v5e, v6e). Launch one core to debug "
+                "(tpunb.launch(fn, cores=1)), or call torch_xla's xmp.spawn directly."
+            )
+        return Plan(layout.cores, layout.simulated)
     where = (
         "simulated cores" if layout.simulated else f"cores on this {layout.tpu.accelerator_type}"
     )
@@ -157,24 +163,17 @@ def check_callable(fn, args, kwargs):
 
 def warn_about_worker_processes(plan, args, kwargs):
     """A DataLoader argument whose workers each rank would fork, where that costs: more
-    workers than the host has CPUs, or ranks that are threads of one process (a fork there
-    copies the other ranks' threads mid-step). Warned, with the cost."""
+    workers than the host has CPUs. Warned, with the cost."""
     cpus = os.cpu_count() or 1
     for loader in [a for a in (*args, *kwargs.values()) if _forks_workers(a)]:
         workers = loader.num_workers
-        shared = plan.ranks_per_process > 1
-        if plan.cores * workers <= cpus and not shared:
+        if plan.cores * workers <= cpus:
             continue  # as torch_xla's own examples run them
-        cost = (
-            "Forking a process whose other rank threads run XLA can deadlock, and the "
-            "workers compete with the ranks for the CPU."
-            if shared
-            else "The workers compete with the ranks for the CPU."
-        )
         warn(
             f"A DataLoader with num_workers={workers} is passed to launch: each of the "
             f"{plan.cores} ranks will fork {workers} worker processes from its own forked "
-            f"process ({plan.cores * workers} in all, on {cpus} CPUs). {cost} For data "
+            f"process ({plan.cores * workers} in all, on {cpus} CPUs). The workers compete "
+            "with the ranks for the CPU. For data "
             "already in memory use num_workers=0; otherwise keep ranks x workers within the "
             "host's CPUs."
         )

@@ -1,5 +1,5 @@
-"""What runs in every rank (a thread of a forked process): the job's function, then its
-result or its error back to the notebook.
+"""What runs in every rank (a forked process a core): the job's function, then its result
+or its error back to the notebook.
 
 Jobs wait here by key. The forked ranks find their job in this module (fork copies the
 notebook's memory), so the function and its arguments are never pickled: functions
@@ -10,15 +10,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
-import os
-import threading
 import time
 from typing import TYPE_CHECKING
 
 from tpunb.errors import CollectiveMismatch, RankEnded
 from tpunb.launcher import channel, failures, heartbeat, ledger, recorder
 from tpunb.launcher.messages import Raised, Returned
-from tpunb.machine import cores
 from tpunb.wording import program_lines
 
 if TYPE_CHECKING:
@@ -29,10 +26,6 @@ if TYPE_CHECKING:
 
 _jobs = {}
 _keys = itertools.count()
-# In a rank's process: the results of its finished ranks, sent together once all of the
-# process's ranks are done (one message, not one a rank, while the others still run).
-_finished = []
-_finished_lock = threading.Lock()
 
 
 @dataclasses.dataclass
@@ -47,8 +40,6 @@ class Job:
     heartbeat: heartbeat.Heartbeat
     ledger: ledger.Ledger  # each rank's collective calls
     start: float = dataclasses.field(default_factory=time.monotonic)
-    # pid -> the rank that reports the process's compilations (torch_xla counts per process)
-    compile_reporters: dict = dataclasses.field(default_factory=dict)
 
 
 def register(job: Job) -> int:
@@ -74,13 +65,12 @@ def run(key: int, rank: int, work: Callable[[int], Any] | None = None) -> None:
     if work is None:
         work = functools.partial(_call_function, job)
     job.heartbeat.enter(rank)
-    reports_compiles = job.compile_reporters.setdefault(os.getpid(), rank) == rank
     unwatched = job.plan.unwatched
     recording = recorder.Recorder(
         rank,
         job.channel,
         job.start,
-        job.heartbeat if reports_compiles and "compiles" not in unwatched else None,
+        job.heartbeat if "compiles" not in unwatched else None,
         job.ledger if job.plan.cores > 1 and "collectives" not in unwatched else None,
         memory="memory" not in unwatched,
         split_syncs="reads" not in unwatched,
@@ -111,10 +101,7 @@ def run(key: int, rank: int, work: Callable[[int], Any] | None = None) -> None:
         except Exception as error:  # noqa: BLE001
             job.channel.send(Raised(rank, failures.unsendable(result, error), None))
             return
-        with _finished_lock:
-            _finished.append((rank, payload))
-            if len(_finished) == cores.ranks_in_this_process():
-                job.channel.send(Returned(list(_finished)))
+        job.channel.send(Returned([(rank, payload)]))
     finally:
         recorder.leave()
         job.heartbeat.finish(rank)

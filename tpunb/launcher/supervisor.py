@@ -23,7 +23,6 @@ from tpunb.launcher import (
     ledger,
     processes,
     rank,
-    shared_process,
     watchers,
 )
 from tpunb.launcher.messages import Ended, Raised, Returned, Steps
@@ -84,7 +83,6 @@ def supervise(
     )
     key = rank.register(job)
     try:
-        shared_process.install()  # ranks that are threads race to fall back and to fork
         stacks = heartbeat.stacks_on_signal() if hang_timeout else contextlib.nullcontext()
         launch_history = history.History(plan.cores)
         watching = watchers.of_launch(job, launch_history, plan.unwatched)
@@ -186,15 +184,16 @@ class _Supervisor:
             except queue.Empty:
                 pass
             self.view.update()
-            if time.monotonic() >= next_check and not self.stopping:  # however busy the inbox
+            if time.monotonic() < next_check:
+                continue
+            next_check = time.monotonic() + HANG_CHECK_SECONDS  # however busy the inbox
+            if not self.stopping:
                 self.hang = self.watchdog.check()
                 for watcher in self.watchers.values():
                     self._warn(watcher.check())
                 self.divergence = self.calls.divergence if self.calls else None
-                next_check = time.monotonic() + HANG_CHECK_SECONDS
-            if self._failed():  # the first failure stops every rank
-                self.stopping = True
-            if self.stopping:  # again on every turn: processes may still be starting
+                self.stopping = self._failed()  # the first failure stops every rank
+            if self.stopping:  # again at each check: processes may still be starting
                 processes.kill_trees(self._pids())
 
     def _handle(self, message):

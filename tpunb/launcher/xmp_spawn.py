@@ -7,7 +7,7 @@ from tpunb.launcher.base import Launcher
 
 
 class XmpSpawn(Launcher):
-    """One process a chip (all simulated cores in one), one thread a core in each."""
+    """One process a core, as on a v5e-8 (and on the simulated cores)."""
 
     def start(self, key):
         import torch_xla.distributed.xla_multiprocessing as xmp

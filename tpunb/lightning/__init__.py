@@ -27,7 +27,6 @@ from typing import TYPE_CHECKING
 from tpunb import upstream
 from tpunb.errors import TpunbError
 from tpunb.launcher import base, one_core, preflight, rank, supervisor
-from tpunb.launcher.lightning_weights import trained_weights_back
 from tpunb.wording import migration
 
 if importlib.util.find_spec("lightning") is None:
@@ -161,9 +160,6 @@ class _WatchedXLALauncher(_XLALauncher):
             return _XLALauncher._wrapping_function(self, rank_number, *arguments)
 
         rank.run(self._key, process_idx, work)
-
-    def _collect_rank_zero_results(self, trainer, results):
-        return trained_weights_back(_XLALauncher._collect_rank_zero_results, self, trainer, results)
 
 
 class OneCoreXLAStrategy(XLAStrategy):

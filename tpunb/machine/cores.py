@@ -3,8 +3,7 @@ the one place that knows. Never starts the XLA runtime.
 
 ``xmp.spawn`` starts one process per TPU chip and, in each, one thread per core (XLA
 device) of the chip: v2-8/v3-8 4 x 2, v4-8 4 x 1, v5e-8 8 x 1, v5e-1/v6e-1 1 x 1. The
-simulation runs N x 1 as a v5e-8 (``layout="processes"``) or 1 x N, every core a thread of
-one process (``layout="threads"``).
+simulation runs N x 1, as a v5e-8.
 """
 
 import dataclasses
@@ -14,7 +13,7 @@ from tpunb import hardware
 from tpunb.errors import TpunbError, check_count
 from tpunb.machine import platform
 
-_simulated = None  # cores set by tpunb.simulate, in this process and the ones it forks
+_simulated = None  # the cores tpunb.simulate set, in this process and the ones it forks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,7 +46,7 @@ def available():
     """The layout of a launch on this machine: the simulated cores once ``tpunb.simulate``
     ran (on a TPU host only when asked to replace the TPU), else its TPU, else None."""
     if _simulated is not None:
-        return Layout(cores=_simulated[0], processes=_simulated[1], tpu=None)
+        return Layout(cores=_simulated, processes=_simulated, tpu=None)
     tpu = hardware.detect()
     if tpu is not None:
         return Layout(cores=tpu.cores, processes=tpu.chips, tpu=tpu)
@@ -66,16 +65,10 @@ def count(cores=None):
     return layout.cores
 
 
-def set_simulated(cores, processes):
+def set_simulated(cores):
     """Called by ``tpunb.simulate`` once the simulation is set up."""
     global _simulated
-    _simulated = (cores, processes)
-
-
-def process_a_core():
-    """True where ``tpunb.simulate(layout="processes")`` set up the simulation: its launches
-    run one process a core (simulation/rank_processes.py); False on the threads."""
-    return _simulated is not None and _simulated[1] > 1
+    _simulated = cores
 
 
 def in_rank():
@@ -83,11 +76,3 @@ def in_rank():
     one) runs on a core. The notebook's own process is never one, even once it has used
     the device: torch_xla sets ``PJRT_LOCAL_PROCESS_COUNT`` only where it starts ranks."""
     return platform.runtime_started() and "PJRT_LOCAL_PROCESS_COUNT" in os.environ
-
-
-def ranks_in_this_process():
-    """In a rank: the ranks its process runs (threads sharing torch's RNG, metrics, ...)."""
-    import torch_xla.core.xla_model as xm
-    import torch_xla.runtime as xr
-
-    return 1 if xr.world_size() == 1 else len(xm.get_xla_supported_devices())

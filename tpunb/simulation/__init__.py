@@ -1,16 +1,17 @@
 """The simulation: N TPU cores on the CPU with the real torch_xla (docs/simulation.md).
 
+Each simulated core is a process of its own, as on Kaggle's TPU v5e-8: its rank sees its
+own ``xla:0``, metrics, counters and random generator.
+
     __init__.py     simulate(cores): the environment torch_xla reads, then the patches
-    collectives.py  each collective a graph of its own that the ranks run together
-    compiled.py     torch.compile in ranks that share a process
-    point_to_point.py  xm.send, xm.recv, dist.send and dist.recv through host memory
-    process_groups.py  torch.distributed's default process group, one per core
-    random_state.py  torch's random generator for each core's setup
-    rank_threads.py  what happens as a process's rank threads start and end
-    rank_cpu.py     a process's rank threads on one CPU, on a machine of two
     tpu_answers.py  what Python asks about the hardware answers a TPU; the runtime the CPU
+    rank_processes.py  each rank process set up as a v5e-8's, started by xmp.spawn
+    torchrun.py     the ranks torchrun starts, each a rank process too
+    host_collectives.py  collectives computed on the host, as XLA defines them
+    host_exchange.py  the shared memory and store the rank processes meet through
+    point_to_point.py  xm.send, xm.recv, dist.send and dist.recv through host memory
+    functional_collectives.py  torch's functional collectives, eager and compiled
     spawned.py      the simulation in the children of the spawn start method
-    torchrun.py     the ranks torchrun starts, each a process of the process layout
     lightning.py    PyTorch Lightning's TPU accelerator opened to the simulated cores
 
 Nothing here is applied on a machine with a TPU: ``simulate`` refuses to run there.
@@ -39,7 +40,9 @@ COMPILE_LEVEL = 1
 _COMPILE_LEVEL_FLAG = "--xla_backend_optimization_level"
 
 
-LAYOUTS = ("processes", "threads")
+# The environment variable that chose a layout while the simulation had two (threads were
+# retired: a v5e-8 runs a process a core).
+LAYOUT_VARIABLE = "TPUNB_SIMULATION_LAYOUT"
 
 
 def simulate(
@@ -47,15 +50,10 @@ def simulate(
 ) -> Environment:
     """Simulate a TPU with ``cores`` cores on this machine's CPU, for every later launch.
 
-    ``layout="processes"`` runs each core's rank in a process of its own, as a TPU v5e-8
-    does (each rank sees its own ``xla:0``, metrics and random generator);
-    ``layout="threads"`` runs every rank as a thread of one process, faster on fewer CPUs than
-    cores where a program does not depend on what differs (docs/simulation.md). ``None``
-    takes ``$TPUNB_SIMULATION_LAYOUT``, else the processes (``default_layout``).
-
-    torch_xla's runtime gets its CPU client with ``cores`` devices, while what Python asks
-    about the hardware answers a TPU v5e (``tpu_answers.py``), and collectives between the
-    devices work. Graphs compile at XLA's
+    Each core's rank runs in a process of its own, as on Kaggle's TPU v5e-8: each sees its
+    own ``xla:0``, metrics and random generator. torch_xla's runtime in each gets the CPU
+    client with one device, while what Python asks about the hardware answers a TPU v5e
+    (``tpu_answers.py``), and collectives between the cores work. Graphs compile at XLA's
     CPU level ``COMPILE_LEVEL`` unless ``XLA_FLAGS`` sets ``--xla_backend_optimization_level``.
     Call it before anything touches the XLA device.
 
@@ -66,23 +64,13 @@ def simulate(
     Args:
         cores: how many TPU cores, a positive integer.
         instead_of_tpu: simulate on a machine that has a TPU.
-        layout: ``"processes"``, ``"threads"`` or None (``default_layout``).
+        layout: refused: the threads layout it chose is retired.
 
     Returns:
         The ``Environment`` report of the simulated machine.
     """
     count = check_count(cores, "simulate(cores=...)", "cores", 8)
-    layout = default_layout() if layout is None else layout
-    if layout not in LAYOUTS:
-        raise TpunbError(
-            f"simulate(layout={layout!r}): the layout is 'processes' (one process a core, as "
-            "on a TPU v5e-8) or 'threads' (every core a thread of one process)."
-        )
-    if torchrun.launched() and layout != "processes":
-        raise TpunbError(
-            "torchrun started this process as one rank: the simulation runs it as a process a "
-            "core (layout='processes'), not as threads. Unset TPUNB_SIMULATION_LAYOUT."
-        )
+    _refuse_layout(layout)
     tpu = hardware.detect()
     if tpu is not None and not instead_of_tpu:
         raise TpunbError(
@@ -99,8 +87,7 @@ def simulate(
             "cores can no longer change. Restart the kernel (or Python) and call "
             "tpunb.simulate(...) before anything touches the XLA device."
         )
-    processes = count if layout == "processes" else 1
-    tpu_answers.set_environment(count, processes=processes)
+    tpu_answers.set_environment(count)
     # One torch_xla pool thread per replica at least, or collectives cannot complete.
     pool_size = max(16, 2 * count, int(os.environ.get("XLA_THREAD_POOL_SIZE", "0") or 0))
     os.environ["XLA_THREAD_POOL_SIZE"] = str(pool_size)
@@ -114,42 +101,35 @@ def simulate(
     # Imports torch_xla: only now that the environment names the simulated device.
     upstream.check(upstream.SIMULATION, "tpunb.simulate")
 
-    from tpunb.launcher import shared_process
-    from tpunb.simulation import functional_collectives, lightning, rank_cpu, spawned
+    from tpunb.simulation import functional_collectives, lightning, spawned
     from tpunb.upstream import registry
 
-    spawned.set_simulation(count, instead_of_tpu, layout)
-    registry.use_layout(layout)  # the simulation's patches and the layout's, no others
+    spawned.set_simulation(count, instead_of_tpu)
+    registry.install_simulation()
     functional_collectives.register_kernels()
-    if layout == "threads":
-        rank_cpu.install()
-    shared_process.install()  # also for plain xmp.spawn and Lightning's launcher
     lightning.install()
-    core_layout.set_simulated(count, processes)
+    core_layout.set_simulated(count)
     if torchrun.launched():  # this process is one of the ranks torchrun started
         torchrun.become_rank(count)
     return env()
 
 
-LAYOUT_VARIABLE = "TPUNB_SIMULATION_LAYOUT"
-
-
-def default_layout():
-    """The layout ``simulate`` takes when none is given: ``$TPUNB_SIMULATION_LAYOUT`` if set,
-    else a process a core, as on Kaggle's TPU v5e-8, on every machine. The threads are
-    faster where there are fewer CPUs than cores (each process compiles every graph it
-    meets) and differ from a v5e-8 in what docs/simulation.md's table lists: a choice, never
-    a default."""
-    chosen = os.environ.get(LAYOUT_VARIABLE)
-    if chosen:
-        if chosen not in LAYOUTS:
-            raise TpunbError(
-                f"{LAYOUT_VARIABLE}={chosen!r}: the layout is 'processes' (one process a "
-                "core, as on a TPU v5e-8) or 'threads' (every core a thread of one process); "
-                "unset it for the processes."
-            )
-        return chosen
-    return "processes"
+def _refuse_layout(layout):
+    """The threads layout is retired: ``layout=`` and ``$TPUNB_SIMULATION_LAYOUT`` are
+    refused, with why, rather than ignored."""
+    if layout is not None:
+        asked, fix = f"simulate(layout={layout!r})", "leave layout= out"
+    elif os.environ.get(LAYOUT_VARIABLE):
+        asked = f"{LAYOUT_VARIABLE}={os.environ[LAYOUT_VARIABLE]!r}"
+        fix = f"unset {LAYOUT_VARIABLE}"
+    else:
+        return
+    raise TpunbError(
+        f"{asked}: the simulation has one layout now, a process a core, as on Kaggle's TPU "
+        "v5e-8 (the threads layout, where cores shared one process's random generator, "
+        "counters and objects, is retired: no TPU of today runs so). "
+        f"To use less memory, simulate fewer cores, e.g. tpunb.simulate(cores=4); {fix}."
+    )
 
 
 def set_compile_level(environ):

@@ -1,4 +1,4 @@
-"""The simulation's collective calls in words, for both layouts: where the program made one,
+"""The simulation's collective calls in words: where the program made one,
 and the errors that name calls (``CollectiveMismatch``, ``RankEnded``)."""
 
 import time

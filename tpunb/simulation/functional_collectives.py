@@ -1,18 +1,17 @@
-"""torch's functional collectives (``torch.ops._c10d_functional``) on simulated cores, in both
-layouts, eager and inside ``torch.compile``.
+"""torch's functional collectives (``torch.ops._c10d_functional``) on simulated cores, eager
+and inside ``torch.compile``.
 
 Used only under ``tpunb.simulate``. These ops are what dynamo can trace: ``xm.all_reduce``
 of one tensor calls ``_c10d_functional.all_reduce`` (so does ``xm.all_gather``, through
 it), and ``torch.compile`` turns ``torch.distributed``'s collectives into them. torch_xla's
 XLA kernels for them (``TORCH_LIBRARY_IMPL(_c10d_functional, XLA, m)`` in
 https://github.com/pytorch/xla/blob/v2.9.0/torch_xla/csrc/cross_replica_reduces.cpp) build
-the collective into the rank's graph, past the primitives each layout replaces: on the
-process layout's one-device runtimes XLA refuses it (``replica_id < replica_count``), on
-the threads' it runs inside a graph the ranks do not share. So here:
+the collective into the rank's graph, past the primitives the simulation replaces: on a
+rank process's one-device runtime XLA refuses it (``replica_id < replica_count``). So here:
 
 1. Their XLA kernels are registered again, in Python, calling the primitive with the
    arguments torch_xla's C++ kernel gives the same tensor method (``_xla_all_reduce`` for
-   ``all_reduce``, and so on): the layout's collective runs, as for every other call.
+   ``all_reduce``, and so on): the host collective runs, as for every other call.
 2. A compiled function's collective runs between its compiled graphs, as torch_xla runs
    an op XLA cannot compile. The openxla backend finds such ops when it extracts a graph by
    running each node once (``UnsupportedNodesCollector`` in

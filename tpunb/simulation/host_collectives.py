@@ -1,14 +1,15 @@
 """Collectives between the processes of simulated cores, computed on the host.
 
-Used only by the process layout (rank_processes.py). Each rank process has one XLA CPU
+Used only by the simulation's rank processes (rank_processes.py). Each has one XLA CPU
 device, and torch_xla's CPU client has no collectives between processes (it starts the
 client with no distributed options: ``InitializeCpu`` in
 https://github.com/pytorch/xla/blob/v2.9.0/torch_xla/csrc/runtime/pjrt_registry.cpp). So
-each primitive that every Python collective reaches (collectives.py lists them; xm.all_reduce
+each primitive that every Python collective reaches (registry.COLLECTIVE_PRIMITIVES; xm.all_reduce
 of one tensor reaches ``torch.ops._c10d_functional.all_reduce`` and is sent to
 ``_xla_all_reduce`` here) is replaced by one that:
 
-1. runs what the rank has traced so far (a cut, as on the threads), so the inputs are data
+1. runs what the rank has traced so far (a cut: a step becomes two graphs, where a TPU runs
+   one), so the inputs are data
    on the device, and reads them to the host in one transfer;
 2. shares them with every rank (host_exchange.py), with the call's description: ranks whose
    calls differ raise ``CollectiveMismatch`` together;
@@ -26,11 +27,11 @@ import sys
 
 import torch
 import torch_xla
+import torch_xla.core.xla_model as xm
 import torch_xla.runtime as xr
 
 from tpunb.errors import RankEnded
 from tpunb.simulation.calls import Caller, mismatch, never_completes, unmatched
-from tpunb.simulation.host_reductions import each, group_of, reduced
 from tpunb.watch.collective_calls import describe
 
 # The counters torch_xla's C++ primitives count as they trace (each binding's
@@ -80,14 +81,12 @@ def in_ranks(name, original):
     return primitive
 
 
-# torch.compile runs the call between the graphs it compiles (torch._dynamo.disable). Only
-# here: the threads layout's collectives, wrapped around a dynamo-disabled primitive that
-# passes the call on, aborted in XLA's rendezvous (reduce_scatter, all_to_all).
+# torch.compile runs the call between the graphs it compiles (torch._dynamo.disable).
 @torch._dynamo.disable
 def _on_the_host(name, implementation, args, kwargs):
     if name in _COUNTERS:
         torch_xla._XLAC._xla_increment_counter(_COUNTERS[name], 1)
-    if _rank.get("call") is None:  # as the threads layout describes it (collectives.py)
+    if _rank.get("call") is None:  # not described in xm.all_reduce's words
         _rank["call"] = describe(name, args, kwargs)
     try:
         return implementation(*args, **kwargs)
@@ -182,6 +181,44 @@ def _become(outputs, results):
     ``xm.reduce_scatter(..., output=[...])`` holds its shard after the call)."""
     for output, result in zip(outputs, _to_device(results), strict=True):
         torch_xla._XLAC._replace_xla_tensor(output, result)
+
+
+# What XLA's collectives compute, from every rank's values in rank order: each result so,
+# the same bits on every rank.
+REDUCE = {
+    xm.REDUCE_SUM: torch.add,
+    xm.REDUCE_MUL: torch.mul,
+    xm.REDUCE_AND: torch.bitwise_and,
+    xm.REDUCE_OR: torch.bitwise_or,
+    xm.REDUCE_MIN: torch.minimum,
+    xm.REDUCE_MAX: torch.maximum,
+}
+
+
+def group_of(groups):
+    """The ranks this rank's collective runs among, in the groups' order."""
+    rank = xr.global_ordinal()
+    if not groups:
+        return list(range(xr.world_size()))
+    for group in groups:
+        if rank in group:
+            return list(group)
+    raise ValueError(f"rank {rank} is in none of the replica groups {groups}")
+
+
+def reduced(reduce_type, values, scale):
+    """The ranks' ``values`` reduced in rank order, into a new tensor."""
+    result, reduce = values[0].clone(), REDUCE[reduce_type]
+    for value in values[1:]:
+        reduce(result, value, out=result)
+    if scale != 1.0:  # as XLA scales: by the scale in the values' own dtype
+        result = result * torch.tensor(scale, dtype=result.dtype)
+    return result
+
+
+def each(inputs, shared, group, compute):
+    """``compute(values)`` for each input, from the group members' copies of it."""
+    return [compute([shared[member][i] for member in group]) for i in range(len(inputs))]
 
 
 # The primitives, by their torch_xla signatures (init_python_bindings.cpp, v2.9.0).
@@ -286,5 +323,5 @@ _PRIMITIVES = {
     "_xla_all_to_all": all_to_all,
     "_xla_collective_permute": collective_permute,
 }
-# The process layout's work at each sync (registry.LAYOUTS).
+# The simulation's work at each sync (registry.SIMULATION_STEP_HOOKS).
 STEP_HOOKS = {"after": _step_ended}

@@ -1,7 +1,7 @@
 """How the processes of simulated cores exchange what their collectives carry: shared memory
 for the data, a ``torch.distributed.TCPStore`` served by the launching process to meet.
 
-Used only by the process layout (rank_processes.py). The launching process opens a
+Used only by the simulation's rank processes (rank_processes.py). The launching process opens a
 ``Meeting`` before ``xmp.spawn`` starts the ranks and closes it after: a TCPStore on the
 loopback and a small shared-memory directory. The ranks, forked or spawned, find both
 through the environment variable ``MEETING``. A rank first waits until every rank's process

@@ -9,30 +9,24 @@ Used only under ``tpunb.simulate``. A send and its recv are made by two differen
 so they never form the same graph, and XLA's CPU backend has no Send or Recv at all (its
 ``ThunkEmitter`` emits neither). So a send puts its value in a mailbox and the receiver
 takes it from there, in the order sent: the values a TPU would carry, without the XLA op.
-On the threads the mailboxes are in the process's memory; on the processes in the
-meeting's store (host_exchange.py). A permute among some ranks pairs each receiver with
-its source by the pair they both name; a receiver whose call differs from its source's
-(another shape or dtype) raises ``CollectiveMismatch`` naming both.
+The mailboxes are in the meeting's store (host_exchange.py). A permute among some ranks
+pairs each receiver with its source by the pair they both name; a receiver whose call
+differs from its source's (another shape or dtype) raises ``CollectiveMismatch`` naming
+both.
 """
 
-import collections
 import functools
 import io
 import sys
-import threading
 
 import torch
 import torch_xla.runtime as xr
 
-from tpunb.errors import CollectiveMismatch, RankEnded
+from tpunb.errors import CollectiveMismatch, RankEnded, TpunbError
 from tpunb.machine import cores
 from tpunb.simulation import host_collectives
 from tpunb.simulation.calls import Caller, unmatched
 from tpunb.watch.collective_calls import among_some, describe
-
-_mailboxes = collections.defaultdict(collections.deque)
-_arrived = threading.Condition()
-_POLL = 0.05  # seconds between a receiver's looks at whether its sender has ended
 
 
 def through_host(name, _):
@@ -105,31 +99,23 @@ def permute_among_some(input, token, pairs):
 
 
 def _post(box, value):
-    exchange = host_collectives.exchange()
-    if exchange is not None:
-        buffer = io.BytesIO()
-        torch.save(value, buffer)
-        exchange.post(box, buffer.getvalue())
-        return
-    with _arrived:
-        _mailboxes[box].append(value)
-        _arrived.notify_all()
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    _exchange().post(box, buffer.getvalue())
 
 
 def _take(box, source=None):
     """The first value in the mailbox ``box`` (waits for it); raises ``RankEnded`` once
     the rank ``source``, if given, has ended without sending it."""
-    exchange = host_collectives.exchange()
-    if exchange is not None:
-        return torch.load(io.BytesIO(exchange.take(box, source)), weights_only=False)
-    from tpunb.simulation import collectives  # the threads' ranks, as they end
+    return torch.load(io.BytesIO(_exchange().take(box, source)), weights_only=False)
 
-    with _arrived:
-        while not _mailboxes[box]:
-            ended = collectives.how_ended(source) if source is not None else None
-            if ended is not None:
-                error = RankEnded(f"rank {source} has ended (it {ended[0]})", ended[1])
-                error.how = ended[0]
-                raise error
-            _arrived.wait(_POLL)
-        return _mailboxes[box].popleft()
+
+def _exchange():
+    exchange = host_collectives.exchange()
+    if exchange is None:
+        raise TpunbError(
+            "xm.send and xm.recv pass a value from one rank to another, and this process is "
+            "no rank of a launch on the simulated cores (one rank alone would wait forever "
+            "on a TPU). Call them inside the function xmp.spawn runs, with 2 cores or more."
+        )
+    return exchange

@@ -1,7 +1,6 @@
-"""The process layout: one process a simulated core, as on a TPU v5e-8 (8 processes of one
-chip each).
+"""One process a simulated core, as on a TPU v5e-8 (8 processes of one chip each).
 
-Used only under ``tpunb.simulate(layout="processes")``. ``simulate`` describes a host whose
+Used only under ``tpunb.simulate``. ``simulate`` describes a host whose
 processes hold one chip each (``TPU_PROCESS_BOUNDS``, tpu_answers.py), so torch_xla's own
 ``xmp.spawn`` starts one process a core (``run_multiprocess``), forked or spawned. Here:
 
@@ -66,8 +65,8 @@ def as_a_rank_process(_, run_threads):
             (result,) = results.values()
             return {local_rank: result}
         except RankEnded as stopped:
-            # As on the threads: xmp.spawn raises the lowest rank's exception, and the cause
-            # is the ended rank's.
+            # A rank stopped by another's end raises that rank's exception, as xmp.spawn
+            # would raise the failing rank's.
             if stopped.cause is None:
                 raise
             raise stopped.cause from None

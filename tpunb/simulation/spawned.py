@@ -13,9 +13,9 @@ import functools
 _simulation: dict[str, object] = {}  # simulate's arguments, as the last call gave them
 
 
-def set_simulation(cores, instead_of_tpu, layout):
+def set_simulation(cores, instead_of_tpu):
     """Each ``simulate`` call sets the simulation spawned children start with."""
-    _simulation.update(cores=cores, instead_of_tpu=instead_of_tpu, layout=layout)
+    _simulation.update(cores=cores, instead_of_tpu=instead_of_tpu)
 
 
 def simulating_first(_, command_line):

@@ -4,7 +4,7 @@ On a TPU host, ``torchrun --nproc-per-node=8 script.py`` starts the 8 processes 
 chip, each running the whole script; in each, ``torch_xla.launch`` calls the function at
 once, and ``dist.init_process_group("xla", init_method="xla://")`` takes the rank from the
 variables torchrun sets. Here each of those processes runs ``tpunb.simulate`` first
-(``python -m tpunb.simulate``), which makes it one rank of the process layout, as
+(``python -m tpunb.simulate``), which makes it one rank process of the simulation, as
 ``xmp.spawn``'s processes are (rank_processes.py): its runtime gets one CPU device, its
 world size and ordinal are set, and it joins the meeting the ranks' collectives use
 (host_exchange.py). Local rank 0 opens the meeting and names it in a small file the others

@@ -44,13 +44,12 @@ _RUNTIME_DEVICE = "CPU"
 # they change how a TPU computes a collective matmul, not what it computes.
 _TPU_RUNTIME_ONLY = ("ENABLE_COLLECTIVE_MATMUL_IN_MP",)
 _putenv = os.putenv
-_devices_per_process = None
 _cores = None  # the simulated chips
 
 
-def environment(cores, processes):
-    """What ``os.environ`` holds on a v5e host of ``cores`` chips that launches
-    ``processes`` processes, as torch_xla reads it without a metadata server."""
+def environment(cores):
+    """What ``os.environ`` holds on a v5e host of ``cores`` chips, a process a chip, as
+    torch_xla reads it without a metadata server."""
     return {
         "PJRT_DEVICE": "TPU",
         "TPU_SKIP_MDS_QUERY": "1",
@@ -59,27 +58,27 @@ def environment(cores, processes):
         "TPU_WORKER_HOSTNAMES": "localhost",
         "TPU_CHIPS_PER_PROCESS_BOUNDS": "1,1,1",
         # torch_xla launches min(chips, processes in these bounds) processes.
-        "TPU_PROCESS_BOUNDS": f"{processes},1,1",
+        "TPU_PROCESS_BOUNDS": f"{cores},1,1",
     }
 
 
-def set_environment(cores, processes):
+def set_environment(cores):
     """Sets ``os.environ`` as ``environment`` says and the runtime's copy to the CPU's.
     Before torch_xla is imported: it selects a device at import if none is set."""
-    global _devices_per_process, _cores
-    _devices_per_process, _cores = cores // processes, cores
+    global _cores
+    _cores = cores
     registry.install("runtime on the cpu")
-    os.environ.update(environment(cores, processes))
+    os.environ.update(environment(cores))
     runtime_reads_cpu()
 
 
 def runtime_reads_cpu():
     """The C environment, which torch_xla's runtime reads as it starts, selects its CPU
-    client with this process's devices. Called before a launched process starts it."""
+    client with one device, this process's chip. Called before a launched process starts it."""
     _putenv("PJRT_DEVICE", _RUNTIME_DEVICE)
     for name in _TPU_RUNTIME_ONLY:
         os.unsetenv(name)
-    os.environ["CPU_NUM_DEVICES"] = str(_devices_per_process)
+    os.environ["CPU_NUM_DEVICES"] = "1"
 
 
 def runtime_on_the_cpu(_, putenv):

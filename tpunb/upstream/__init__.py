@@ -22,7 +22,6 @@ _LAUNCH_READS = {
         "_check_device_tensor_need_materialization",
         "_is_placecholder",  # (sic) a read that waits for the device
         "_xla_get_cpu_tensors",  # launcher/recorder.py: logged values in one transfer
-        "_xla_increment_counter",  # launcher/shared_process.py: counters put back
         "_xla_get_default_device",  # device_memory.py
         "_xla_memory_info",
     ),
@@ -35,14 +34,11 @@ _SIMULATION_READS = {
         "_xla_get_cpu_tensors",
         "_xla_tensors_from_aten",
         "_replace_xla_tensor",  # host_collectives.py: the out= forms
-        "_xla_counter_value",
+        "_xla_increment_counter",  # the counters a TPU's collectives count
         "_get_tensors_xla_device_data_node",
     ),
     "torch_xla.core.xla_model": ("_get_all_reduce_token",),  # functional_collectives.py
     "torch_xla._internal.tpu": ("num_local_processes",),
-    "torch_xla._dynamo.dynamo_bridge": ("extract_compiled_graph",),
-    "torch.distributed.distributed_c10d": ("_World",),  # process_groups.py
-    "torch._dynamo.convert_frame": ("compile_lock",),  # compiled.py
     "torch.ops._c10d_functional": (  # functional_collectives.py: the kernels it registers
         "broadcast",
         "all_reduce",
@@ -69,16 +65,12 @@ LIGHTNING = {
     "lightning.pytorch.strategies.launchers.xla": ("_XLALauncher",),
     "lightning.pytorch.strategies.launchers.xla._XLALauncher": (
         "_wrapping_function",
-        "_collect_rank_zero_results",
         "_recover_results_in_main_process",
     ),
 }
 
 # tpunb.simulate (never on a TPU).
-SIMULATION = _merged(
-    _SIMULATION_READS,
-    registry.private_names((registry.SIMULATION, registry.PROCESSES, registry.THREADS)),
-)
+SIMULATION = _merged(_SIMULATION_READS, registry.private_names((registry.SIMULATION,)))
 
 
 def missing(names):

@@ -36,19 +36,19 @@ def assign(owners: tuple[Any, ...], name: str, value: Any) -> None:
 
 @contextlib.contextmanager
 def during(
-    owner: Any, names: Iterable[str], patch: str, make: Callable[[str, Any], Any]
+    owners: tuple[Any, ...], names: Iterable[str], patch: str, make: Callable[[str, Any], Any]
 ) -> Iterator[None]:
-    """For the duration: each of ``names`` of ``owner`` replaced by ``make(name, current)``,
-    as ``replace`` does; afterwards what was there before, an inherited attribute
-    inherited again. The launch's patches, in place while a launch runs."""
+    """For the duration: each of ``names`` of each of ``owners`` replaced by ``make(name,
+    current)``, as ``replace`` does; afterwards what was there before, an inherited
+    attribute inherited again. The launch's patches, in place while a launch runs."""
     names = tuple(names)
-    saved = {name: vars(owner).get(name, _INHERITED) for name in names}
+    saved = {(owner, name): vars(owner).get(name, _INHERITED) for owner in owners for name in names}
     try:
         for name in names:
-            replace(owner, name, patch, lambda current, name=name: make(name, current))
+            replace(owners, name, patch, lambda current, name=name: make(name, current))
         yield
     finally:
-        for name, value in saved.items():
+        for (owner, name), value in saved.items():
             if value is _INHERITED:
                 if name in vars(owner):
                     delattr(owner, name)

@@ -5,10 +5,6 @@ torch_xla function it called there, e.g. ``xm.save``)."""
 
 import sys
 
-# Of a list of tensors (xm.optimizer_step all-reduces every gradient in one call), the
-# words show this many; the call's key tells the whole list apart.
-_SHOWN = 3
-
 
 def describe(name, args, kwargs, shown=None):
     """``name(float32[4, 2], 'sum', groups=[[0, 1]])``: its tensors' dtypes and shapes and

@@ -62,6 +62,8 @@ class Reader:
 
 def in_words(use: Use) -> str:
     """ "14.7 of 16.0 GiB (92%), peak 15.1 GiB" """
+    if not use.limit:
+        return f"{use.used / GiB:.1f} GiB, peak {use.peak / GiB:.1f} GiB (no limit reported)"
     return (
         f"{use.used / GiB:.1f} of {use.limit / GiB:.1f} GiB ({use.used / use.limit:.0%}), "
         f"peak {use.peak / GiB:.1f} GiB"

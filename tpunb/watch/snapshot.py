@@ -44,9 +44,7 @@ class Snapshot:
             _eta(slowest) if slowest else None,
             compiles,
             values,
-            max(
-                history.device_memory().values(), key=lambda use: use.used / use.limit, default=None
-            ),
+            max(history.device_memory().values(), key=_fullness, default=None),
             history.mean_samples_per_second(),
         )
 
@@ -68,7 +66,8 @@ class Snapshot:
         parts.append(f"{self.compiles} compilations")
         if self.memory is not None:
             used, _, limit = self.memory
-            parts.append(f"device memory {used / 2**30:.1f}/{limit / 2**30:.1f} GiB")
+            of = f"/{limit / 2**30:.1f}" if limit else ""
+            parts.append(f"device memory {used / 2**30:.1f}{of} GiB")
         if self.eta is not None and not final:
             parts.append(f"epoch ends in {_duration(self.eta)}")
         parts.append(f"{_duration(self.elapsed)} elapsed")
@@ -76,7 +75,8 @@ class Snapshot:
 
 
 def _fullness(use):
-    return use.used / use.limit if use.limit else 0
+    """How full a device is, or, where it reports no limit, what it uses."""
+    return (use.used / use.limit, 0) if use.limit else (0, use.used)
 
 
 def _eta(steps, recent=20):
