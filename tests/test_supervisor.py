@@ -130,8 +130,8 @@ class _Looking(_Records):
 
         self.seen = (
             rank.registered(key).plan.unwatched,
-            "launch: reads" in patching.patches(torch.Tensor.item),
-            "launch: the ledger" in patching.patches(xm.all_reduce),
+            "launch_reads" in patching.patches(torch.Tensor.item),
+            "launch_ledger" in patching.patches(xm.all_reduce),
         )
         super().start(key)
 

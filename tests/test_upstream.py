@@ -158,7 +158,11 @@ def test_simulate_installs_each_of_the_simulations_patches_once():
 
     tpunb.simulate(cores=8)
     first = chains()
-    assert first[:3] == (["on the host"], ["among some", "on the host"], ["a rank process"])
+    assert first[:3] == (
+        ["host_collectives"],
+        ["permute_among_some", "host_collectives"],
+        ["rank_process"],
+    )
     tpunb.simulate(cores=4)
     assert chains() == first  # the same patches, the step hooks added once
 
@@ -219,3 +223,33 @@ def test_no_upstream_module_or_class_is_assigned_to_outside_the_registry():
                 if root(target) in upstream_names and ast.unparse(target) not in _NOT_PATCHES
             ]
     assert found == []
+
+
+def test_every_patch_the_code_names_is_in_the_registry():
+    # Patch names are identifiers, checked as the registry is built; a name the code passes
+    # to the registry that no patch has would fail only when that code runs: checked here.
+    import ast
+
+    from tpunb.upstream import registry
+
+    named = set()
+    for path in SOURCE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            function = getattr(node, "func", None)
+            called = (  # registry.install(...), or install(...) inside the registry
+                getattr(function, "attr", None)
+                if getattr(getattr(function, "value", None), "id", None) == "registry"
+                else getattr(function, "id", None)
+                if path.name == "registry.py"
+                else None
+            )
+            if (
+                called in ("install", "during", "entries")
+                and node.args
+                and isinstance(node.args[0], ast.Constant)
+            ):
+                named.add((path.name, node.args[0].value))
+    assert len(named) >= 10
+    assert sorted(name for name in named if name[1] not in registry.NAMES) == []
+    with pytest.raises(ValueError, match="an identifier"):
+        registry.Patch("os", ("fork",), "forks one at a time", None, registry.LAUNCH)

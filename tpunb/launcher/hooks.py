@@ -85,7 +85,7 @@ def installed():
     ``collectives_recorded``."""
     syncs = registry.add_step_hooks(before=_before_sync, after=_after_sync)
     try:
-        with registry.during("launch: batches"), registry.during("launch: excused reads"):
+        with registry.during("launch_batches"), registry.during("launch_excused_reads"):
             yield
     finally:
         step_hooks.remove(syncs)

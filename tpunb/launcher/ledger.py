@@ -241,7 +241,7 @@ def recorded(on_call):
     """For the duration: every outermost call of a ``RECORDED`` collective, outside a
     ``torch.compile``d function, calls ``on_call(name, args, kwargs, frame)`` in the
     calling thread before it runs (``frame``: its caller's)."""
-    with registry.during("launch: the ledger", on_call):
+    with registry.during("launch_ledger", on_call):
         yield
 
 

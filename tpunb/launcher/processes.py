@@ -56,7 +56,7 @@ def recording_children(starter):
     recording one here and put back, with its members, on the way out.
     """
     started = []
-    with registry.during("launch: started processes", starter, started):
+    with registry.during("launch_started_processes", starter, started):
         yield started
 
 

@@ -141,5 +141,5 @@ def watched(on_read):
     """For the duration: every read of a device value that cuts the step or waits for the
     device calls ``on_read(kind, what, file, line)`` in the reading thread (``kind``: "cut"
     or "wait", as ``_kind`` tells)."""
-    with registry.during("launch: reads", on_read, program_lines.libraries(own=False)):
+    with registry.during("launch_reads", on_read, program_lines.libraries(own=False)):
         yield

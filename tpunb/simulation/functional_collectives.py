@@ -54,7 +54,7 @@ _library = []  # the registration: kept alive, or torch drops the kernels
 
 def register_kernels():
     """Registers the kernels (point 1), once; the backend's extraction leaves the
-    collectives between its graphs through the registry's "collectives between" patches
+    collectives between its graphs through the registry's "collectives_between_graphs" patches
     (point 2)."""
     if _library:
         return

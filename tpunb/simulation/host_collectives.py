@@ -67,7 +67,7 @@ def _step_ended(caller):
     _rank["steps"] += 1
 
 
-def in_ranks(name, original):
+def host_primitive(name, original):
     """The registry's maker: the primitive ``name`` on the host in a rank process."""
     _original[name] = original
     implementation = _PRIMITIVES[name]
@@ -94,7 +94,7 @@ def _on_the_host(name, implementation, args, kwargs):
         _rank["call"] = None
 
 
-def all_reduce_one_tensor_too_of(_, all_reduce):
+def host_all_reduce(_, all_reduce):
     """The registry's maker for ``xm.all_reduce``."""
     _original["all_reduce"] = all_reduce
     _signature["all_reduce"] = inspect.signature(all_reduce)

@@ -61,11 +61,11 @@ def _untracked(name, create=False, size=0):
     try:
         return shared_memory.SharedMemory(name, create=create, size=size, track=False)
     except TypeError:  # Python < 3.13
-        with registry.during("untracked"):
+        with registry.during("untracked_shared_memory"):
             return shared_memory.SharedMemory(name, create=create, size=size)
 
 
-def registering_nothing(_, register):
+def register_nothing(_, register):
     """The registry's maker: a ``register`` that registers nothing."""
     return lambda name, rtype: None
 

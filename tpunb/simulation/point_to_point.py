@@ -29,12 +29,12 @@ from tpunb.simulation.calls import Caller, unmatched
 from tpunb.watch.collective_calls import among_some, describe
 
 
-def through_host(name, _):
+def send_recv_through_host(name, _):
     """The registry's maker for ``xm.send`` and ``xm.recv``: this module's."""
     return send if name == "send" else recv
 
 
-def among_some_of(_, permute):
+def permute_through_host(_, permute):
     @functools.wraps(permute)
     def collective_permute(input, token, pairs):
         if cores.in_rank() and among_some(pairs, xr.world_size()):

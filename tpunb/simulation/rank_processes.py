@@ -31,7 +31,7 @@ _PROCESS_RANK, _PROCESS_COUNT = "PJRT_LOCAL_PROCESS_RANK", "PJRT_LOCAL_PROCESS_C
 
 
 # The registry's makers (its "processes" entries).
-def meeting_around(_, run_multiprocess):
+def run_in_meeting(_, run_multiprocess):
     @functools.wraps(run_multiprocess)
     def run_in_a_meeting(fn, *args, start_method="spawn", **kwargs):
         from torch_xla._internal import tpu
@@ -42,7 +42,7 @@ def meeting_around(_, run_multiprocess):
     return run_in_a_meeting
 
 
-def as_a_rank_process(_, run_threads):
+def run_as_rank_process(_, run_threads):
     # Keeps the name: xmp.spawn sends it to its processes by name.
     @functools.wraps(run_threads)
     def run_thread_per_device(local_rank, local_world_size, fn, initializer_fn):
@@ -84,7 +84,7 @@ def become_rank(local_rank, local_world_size, address=None):
     import torch
 
     tpu_answers.runtime_reads_cpu()  # one CPU device: this process's chip
-    registry.install("a v5e process's place", local_world_size, local_rank)
+    registry.install("v5e_world_and_ordinal", local_world_size, local_rank)
     os.environ.setdefault(_PROCESS_RANK, str(local_rank))
     os.environ.setdefault(_PROCESS_COUNT, str(local_world_size))
     # One intra-op thread: a forked process whose parent ran torch's OpenMP threads
@@ -97,7 +97,7 @@ def become_rank(local_rank, local_world_size, address=None):
     return exchange
 
 
-def as_global_device_count(_, global_runtime_device_count):
+def global_device_count(_, global_runtime_device_count):
     import torch_xla.runtime as xr
 
     @functools.wraps(global_runtime_device_count)
@@ -107,7 +107,7 @@ def as_global_device_count(_, global_runtime_device_count):
     return global_device_count
 
 
-def as_on_a_v5e(name, original):
+def v5e_answer(name, original):
     @functools.wraps(original)
     def answer():
         if host_collectives.exchange() is None:  # not in a rank process

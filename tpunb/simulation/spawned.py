@@ -18,7 +18,7 @@ def set_simulation(cores, instead_of_tpu):
     _simulation.update(cores=cores, instead_of_tpu=instead_of_tpu)
 
 
-def simulating_first(_, command_line):
+def command_line_simulating(_, command_line):
     """The registry's maker for ``multiprocessing.spawn.get_command_line``."""
 
     @functools.wraps(command_line)

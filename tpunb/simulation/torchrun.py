@@ -54,7 +54,7 @@ def become_rank(cores):
         os.replace(path + ".new", path)
     exchange = rank_processes.become_rank(local_rank, local_world, _address(path))
     exchange.join()
-    registry.install("the rank's error kept")
+    registry.install("torchrun_error_kept")
     atexit.register(_end, exchange, meeting, path)
 
 
@@ -71,7 +71,9 @@ def _address(path):
         return named.read()
 
 
-def keeping_the_error(_, excepthook):
+def excepthook_keeping_error(_, excepthook):
+    """The registry's maker for ``sys.excepthook``: the rank's error kept for its end."""
+
     def keeping_the_error(kind, error, traceback):
         _rank["error"] = error
         excepthook(kind, error, traceback)

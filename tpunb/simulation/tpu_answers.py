@@ -67,7 +67,7 @@ def set_environment(cores):
     Before torch_xla is imported: it selects a device at import if none is set."""
     global _cores
     _cores = cores
-    registry.install("runtime on the cpu")
+    registry.install("runtime_on_cpu")
     os.environ.update(environment(cores))
     runtime_reads_cpu()
 
@@ -81,7 +81,7 @@ def runtime_reads_cpu():
     os.environ["CPU_NUM_DEVICES"] = "1"
 
 
-def runtime_on_the_cpu(_, putenv):
+def putenv_keeping_cpu(_, putenv):
     """The registry's maker for ``os.putenv``: ``_runtime_stays_on_the_cpu``."""
     return _runtime_stays_on_the_cpu
 
@@ -113,7 +113,7 @@ def simulated_chips(_, num_available_chips):
     return simulated
 
 
-def as_tpu(_, xla_device_hw):
+def tpu_hardware(_, xla_device_hw):
     @functools.wraps(xla_device_hw)
     def tpu_hardware(device):
         hardware = xla_device_hw(device)

@@ -54,6 +54,10 @@ class Patch:
     scope: str
     undone: bool = False  # in place only inside ``during``
 
+    def __post_init__(self) -> None:
+        if not self.name.isidentifier():
+            raise ValueError(f"a patch's name is an identifier: {self.name!r}")
+
     @property
     def owners(self) -> tuple[str, ...]:
         return self.owner if isinstance(self.owner, tuple) else (self.owner,)
@@ -70,71 +74,77 @@ _BRIDGE = "torch_xla._dynamo.dynamo_bridge"
 # In the order they are installed: a later patch of an attribute wraps an earlier one.
 PATCHES = (
     # Every launch, on a TPU too.
-    Patch(("torch_xla", "torch_xla.torch_xla"), ("sync",), "step hooks",
+    Patch(("torch_xla", "torch_xla.torch_xla"), ("sync",), "step_hooks",
           "tpunb.upstream.step_hooks:hooked", LAUNCH),
-    Patch("torch_xla.distributed.parallel_loader.PerDeviceLoader", ("next",), "launch: batches",
+    Patch("torch_xla.distributed.parallel_loader.PerDeviceLoader", ("next",), "launch_batches",
           "tpunb.launcher.hooks:recorded_batches", LAUNCH, undone=True),
-    Patch(_XM, ("add_step_closure", "xla_rendezvous"), "launch: excused reads",
+    Patch(_XM, ("add_step_closure", "xla_rendezvous"), "launch_excused_reads",
           "tpunb.launcher.hooks:excused", LAUNCH, undone=True),
-    Patch("torch.Tensor", "tpunb.launcher.reads:READS", "launch: reads",
+    Patch("torch.Tensor", "tpunb.launcher.reads:READS", "launch_reads",
           "tpunb.launcher.reads:watching", LAUNCH, undone=True),
-    Patch(_XM, "tpunb.launcher.ledger:RECORDED", "launch: the ledger",
+    Patch(_XM, "tpunb.launcher.ledger:RECORDED", "launch_ledger",
           "tpunb.launcher.ledger:recording", LAUNCH, undone=True),
-    Patch("multiprocessing.process", ("_children",), "launch: started processes",
+    Patch("multiprocessing.process", ("_children",), "launch_started_processes",
           "tpunb.launcher.processes:recording", LAUNCH, undone=True),
     # The simulation.
-    Patch("os", ("putenv",), "runtime on the cpu",
-          "tpunb.simulation.tpu_answers:runtime_on_the_cpu", SIMULATION),
-    Patch("torch_xla._internal.tpu", ("num_available_chips",), "simulated chips",
+    Patch("os", ("putenv",), "runtime_on_cpu",
+          "tpunb.simulation.tpu_answers:putenv_keeping_cpu", SIMULATION),
+    Patch("torch_xla._internal.tpu", ("num_available_chips",), "simulated_chips",
           "tpunb.simulation.tpu_answers:simulated_chips", SIMULATION),
-    Patch(_XM, ("xla_device_hw",), "a TPU", "tpunb.simulation.tpu_answers:as_tpu", SIMULATION),
-    Patch("multiprocessing.spawn", ("get_command_line",), "simulating first",
-          "tpunb.simulation.spawned:simulating_first", SIMULATION),
-    Patch("multiprocessing.resource_tracker", ("register",), "untracked",
-          "tpunb.simulation.host_exchange:registering_nothing", SIMULATION, undone=True),
-    Patch(_BRIDGE, ("extract_compiled_graph_helper",), "collectives between",
+    Patch(_XM, ("xla_device_hw",), "tpu_hardware",
+          "tpunb.simulation.tpu_answers:tpu_hardware", SIMULATION),
+    Patch("multiprocessing.spawn", ("get_command_line",), "spawned_children_simulate",
+          "tpunb.simulation.spawned:command_line_simulating", SIMULATION),
+    Patch("multiprocessing.resource_tracker", ("register",), "untracked_shared_memory",
+          "tpunb.simulation.host_exchange:register_nothing", SIMULATION, undone=True),
+    Patch(_BRIDGE, ("extract_compiled_graph_helper",), "collectives_between_graphs",
           "tpunb.simulation.functional_collectives:extracting", SIMULATION),
-    Patch(f"{_BRIDGE}.UnsupportedNodesCollector", ("run_node",), "collectives between",
+    Patch(f"{_BRIDGE}.UnsupportedNodesCollector", ("run_node",), "collectives_between_graphs",
           "tpunb.simulation.functional_collectives:leaving_collectives_out", SIMULATION),
-    Patch(f"{_BRIDGE}.InputCollector", ("run_node",), "collectives between",
+    Patch(f"{_BRIDGE}.InputCollector", ("run_node",), "collectives_between_graphs",
           "tpunb.simulation.functional_collectives:leaving_collectives_out", SIMULATION),
-    Patch(_BRIDGE, ("extract_graph_helper",), "parts that copy",
+    Patch(_BRIDGE, ("extract_graph_helper",), "copy_only_parts",
           "tpunb.simulation.functional_collectives:copies_compiled", SIMULATION),
-    Patch(_XLAC, ("_get_graph_hash",), "parts that copy",
+    Patch(_XLAC, ("_get_graph_hash",), "copy_only_parts",
           "tpunb.simulation.functional_collectives:hash_of_copies", SIMULATION),
-    Patch(_PJRT, ("run_multiprocess",), "a meeting around",
-          "tpunb.simulation.rank_processes:meeting_around", SIMULATION),
-    Patch(_PJRT, ("_run_thread_per_device",), "a rank process",
-          "tpunb.simulation.rank_processes:as_a_rank_process", SIMULATION),
+    Patch(_PJRT, ("run_multiprocess",), "meeting_around_spawn",
+          "tpunb.simulation.rank_processes:run_in_meeting", SIMULATION),
+    Patch(_PJRT, ("_run_thread_per_device",), "rank_process",
+          "tpunb.simulation.rank_processes:run_as_rank_process", SIMULATION),
     Patch("torch_xla.runtime", ("process_index", "process_count", "global_device_count"),
-          "as on a v5e", "tpunb.simulation.rank_processes:as_on_a_v5e", SIMULATION),
-    Patch("torch_xla.runtime", ("global_runtime_device_count",), "as on a v5e",
-          "tpunb.simulation.rank_processes:as_global_device_count", SIMULATION),
-    Patch("torch_xla.runtime", ("_WORLD_SIZE", "_ORDINAL"), "a v5e process's place", None,
+          "v5e_process_answers", "tpunb.simulation.rank_processes:v5e_answer", SIMULATION),
+    Patch("torch_xla.runtime", ("global_runtime_device_count",), "v5e_process_answers",
+          "tpunb.simulation.rank_processes:global_device_count", SIMULATION),
+    Patch("torch_xla.runtime", ("_WORLD_SIZE", "_ORDINAL"), "v5e_world_and_ordinal", None,
           SIMULATION),
-    Patch(_XLAC, COLLECTIVE_PRIMITIVES, "on the host",
-          "tpunb.simulation.host_collectives:in_ranks", SIMULATION),
-    Patch(_XM, ("all_reduce",), "on the host",
-          "tpunb.simulation.host_collectives:all_reduce_one_tensor_too_of", SIMULATION),
-    Patch("sys", ("excepthook",), "the rank's error kept",
-          "tpunb.simulation.torchrun:keeping_the_error", SIMULATION),
+    Patch(_XLAC, COLLECTIVE_PRIMITIVES, "host_collectives",
+          "tpunb.simulation.host_collectives:host_primitive", SIMULATION),
+    Patch(_XM, ("all_reduce",), "host_collectives",
+          "tpunb.simulation.host_collectives:host_all_reduce", SIMULATION),
+    Patch("sys", ("excepthook",), "torchrun_error_kept",
+          "tpunb.simulation.torchrun:excepthook_keeping_error", SIMULATION),
     # xm.send and xm.recv, and the permute among some of the ranks (torch.distributed's send
     # and recv) around the host collectives' permute.
-    Patch(_XM, ("send", "recv"), "host memory", "tpunb.simulation.point_to_point:through_host",
-          SIMULATION),
-    Patch(_XLAC, ("_xla_collective_permute",), "among some",
-          "tpunb.simulation.point_to_point:among_some_of", SIMULATION),
+    Patch(_XM, ("send", "recv"), "host_send_recv",
+          "tpunb.simulation.point_to_point:send_recv_through_host", SIMULATION),
+    Patch(_XLAC, ("_xla_collective_permute",), "permute_among_some",
+          "tpunb.simulation.point_to_point:permute_through_host", SIMULATION),
 )  # fmt: skip
 
 # The simulation's own work at each sync (``step_hooks``), "module:attribute" of keyword
 # arguments.
 SIMULATION_STEP_HOOKS = "tpunb.simulation.host_collectives:STEP_HOOKS"
 # Installed by the code that needs them, at that moment, instead of with the simulation.
-_ON_DEMAND = ("a v5e process's place", "the rank's error kept")
+_ON_DEMAND = ("v5e_world_and_ordinal", "torchrun_error_kept")
+
+
+NAMES = frozenset(patch.name for patch in PATCHES)
+assert set(_ON_DEMAND) <= NAMES, _ON_DEMAND
 
 
 def entries(name: str) -> tuple[Patch, ...]:
-    """The table's entries of the patch called ``name``."""
+    """The table's entries of the patch called ``name`` (one of ``NAMES``, which
+    tests/test_upstream.py checks every name in the code against)."""
     found = tuple(patch for patch in PATCHES if patch.name == name)
     if not found:
         raise KeyError(f"no patch called {name!r}")
@@ -204,7 +214,7 @@ def _installed(patch: Patch) -> bool:
 
 def add_step_hooks(**hooks: Any) -> dict:
     """``step_hooks.add(**hooks)``, with ``torch_xla.sync`` hooked first (on a TPU too)."""
-    install("step hooks")
+    install("step_hooks")
     return step_hooks.add(**hooks)
 
 

@@ -38,7 +38,7 @@ _callers = threading.local()  # .stack: the modules that called the syncs under 
 def add(before=None, dispatched=None, after=None):
     """Runs ``before(caller)`` just before every later step marker of ``torch_xla.sync``,
     ``dispatched(caller)`` just after it, and ``after(caller)`` once the sync has run its
-    step closures, once the registry's "step hooks" patch is in place (``registry.
+    step closures, once the registry's "step_hooks" patch is in place (``registry.
     add_step_hooks`` puts it there first). Returns a handle for ``remove``."""
     handle = {"before": before, "dispatched": dispatched, "after": after}
     for kind, hook in handle.items():
