@@ -118,6 +118,19 @@ def test_ranks_start_with_no_fallback_counted_and_count_their_own(cores8, cores)
     assert [counted for _, counted in results] == [1] * cores
 
 
+def test_a_machine_that_holds_fewer_cores_simulates_those_and_says_so(monkeypatch):
+    # Binder's 2 GB: binder/start caps the simulated cores, each a process of its own.
+    monkeypatch.setenv("TPUNB_MAX_SIMULATED_CORES", "4")
+    with pytest.warns(tpunb.TpunbWarning, match="Simulating 4 cores instead of 8: TPUNB_MAX_"):
+        assert tpunb.simulate(cores=8).cores == 4
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tpunb.TpunbWarning)  # fewer than the cap: no word
+        assert tpunb.simulate(cores=2).cores == 2
+    monkeypatch.setenv("TPUNB_MAX_SIMULATED_CORES", "lots")
+    with pytest.raises(tpunb.TpunbError, match="TPUNB_MAX_SIMULATED_CORES='lots': give the most"):
+        tpunb.simulate(cores=8)
+
+
 def test_simulation_is_refused_on_a_machine_with_a_tpu(monkeypatch):
     from tpunb import hardware
 

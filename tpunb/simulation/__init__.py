@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 from tpunb import hardware, upstream
 from tpunb.environment import env
-from tpunb.errors import TpunbError, check_count
+from tpunb.errors import TpunbError, check_count, warn
 from tpunb.machine import cores as core_layout
 from tpunb.machine import platform
 from tpunb.simulation import torchrun, tpu_answers
@@ -69,7 +69,7 @@ def simulate(
     Returns:
         The ``Environment`` report of the simulated machine.
     """
-    count = check_count(cores, "simulate(cores=...)", "cores", 8)
+    count = _cores_that_fit(check_count(cores, "simulate(cores=...)", "cores", 8))
     _refuse_layout(layout)
     tpu = hardware.detect()
     if tpu is not None and not instead_of_tpu:
@@ -112,6 +112,31 @@ def simulate(
     if torchrun.launched():  # this process is one of the ranks torchrun started
         torchrun.become_rank(count)
     return env()
+
+
+# The most cores this machine's memory holds, where its owner says so: each simulated core
+# is a process of its own (binder/start sets it for Binder's 2 GB).
+MAX_CORES_VARIABLE = "TPUNB_MAX_SIMULATED_CORES"
+
+
+def _cores_that_fit(count):
+    """``count``, or fewer where ``$TPUNB_MAX_SIMULATED_CORES`` says fewer fit (warned)."""
+    most = os.environ.get(MAX_CORES_VARIABLE)
+    if not most:
+        return count
+    if not most.isdigit() or int(most) < 1:
+        raise TpunbError(
+            f"{MAX_CORES_VARIABLE}={most!r}: give the most cores this machine's memory holds, "
+            f"a positive integer (e.g. {MAX_CORES_VARIABLE}=4), or unset it."
+        )
+    if count <= int(most):
+        return count
+    warn(
+        f"Simulating {most} cores instead of {count}: {MAX_CORES_VARIABLE}={most} says this "
+        f"machine's memory holds {most} (each simulated core is a process of its own; "
+        f"binder/start sets it for Binder's 2 GB); unset it for {count}."
+    )
+    return int(most)
 
 
 def _refuse_layout(layout):
