@@ -1,14 +1,12 @@
-"""torch_xla's compile and CPU fallback counters of a rank's process, read as differences
-between a rank's steps (torch_xla counts per process), and what torch_xla's own helpers
-that read values after a sync (step closures, rendezvous) add to them: excused, not the
-steps' doing."""
+"""torch_xla's compile and CPU fallback counters of a rank's process (a process a rank, as
+on a v5e-8: torch_xla counts per process), read as differences between the rank's steps,
+and what torch_xla's own helpers that read values after a sync (step closures, rendezvous)
+add to them: excused, not the steps' doing."""
 
 import collections
 import dataclasses
 import functools
-import os
 import threading
-import time
 
 _thread = threading.local()  # ``excused``: depth of excused helpers running in this thread
 # What torch_xla's own helpers did in this process after a sync: CPU fallbacks that cut no
@@ -19,8 +17,9 @@ _excused_lock = threading.Lock()
 
 @dataclasses.dataclass
 class _Excusing:
-    """The process's threads now in such a helper (their counts are not final yet), and
-    the counts when the first of them entered."""
+    """The process's threads now in such a helper (their counts are not final yet: a helper
+    may run inside another, or in a thread of the program's), and the counts when the first
+    of them entered."""
 
     threads: int = 0
     counts_before: dict = dataclasses.field(default_factory=dict)
@@ -73,27 +72,20 @@ def _fallback_counts():
 
 
 class ProcessCounters:
-    """torch_xla's compile and fallback counters of this process, as differences between
-    calls, and where the process's ranks were meanwhile (from the heartbeat): where ranks
-    are threads without a collective between them, they drift apart, and a compilation
-    counted in this rank's step may be another rank's, many steps earlier or later, or
-    the work after its function (https://github.com/pytorch/xla/blob/v2.9.0/torch_xla/
-    csrc/xla_graph_executor.cpp counts UncachedCompile per process). Created in a rank:
-    reading the metrics starts the runtime."""
+    """torch_xla's compile and fallback counters of this rank's process, as differences
+    between calls (https://github.com/pytorch/xla/blob/v2.9.0/torch_xla/csrc/
+    xla_graph_executor.cpp counts UncachedCompile per process). Created in a rank: reading
+    the metrics starts the runtime."""
 
-    def __init__(self, heartbeat):
+    def __init__(self):
         import torch_xla.debug.metrics as met
 
         self._met = met
-        self._heartbeat = heartbeat
-        self._pid = os.getpid()
         self._last = None
         self._deferred = False  # the last read left its counts for a later one
         # CompileTime as last read: (samples, seconds, samples no UncachedCompile counted)
         self._compile_time = None
         self._last = self._read(every_time=True)
-        self._last_ranks = self._ranks()
-        self._steps_since = []  # where the ranks were at the reads since the last counted
 
     def fill(self, record):
         """Sets ``record``'s counters to what happened since the last call."""
@@ -101,25 +93,10 @@ class ProcessCounters:
         record.compiles, record.cached = counts.compiles, counts.cached
         record.compile_seconds, record.fallbacks = counts.seconds, counts.fallbacks
         record.helper_compiles = counts.helper
-        (steps, done, closing), before = self._ranks(), self._last_ranks
-        # Counts read late (while a helper ran) were made while the ranks were at any of
-        # the reads since the last one that counted: the step that gets them spans those
-        # steps, so a warm-up compilation counted late stays the warm-up's.
-        self._steps_since += steps
-        in_steps = before[0] + self._steps_since or [record.step]
-        record.process_steps = (min(in_steps), max(in_steps))
-        record.process_closing = closing or before[2] or done > before[1]
-        if not self._deferred:
-            self._last_ranks = steps, done, closing
-            self._steps_since = []
 
     def after_last_step(self, record):
-        """Adds to ``record`` (the reporter's last step) what the process did until all its
-        ranks returned."""
-        beat = self._heartbeat
-        mine = [r for r in range(beat.ranks) if beat.pid(r) == self._pid]
-        while not all(beat.returned(r) for r in mine):
-            time.sleep(0.01)
+        """Adds to ``record`` (the rank's last step) what the process did after it, until
+        the rank's function returned (e.g. ``return loss.item()``)."""
         counts = self.since_last(every_time=True)
         record.compiles += counts.compiles
         record.helper_compiles += counts.helper
@@ -127,16 +104,6 @@ class ProcessCounters:
         record.compile_seconds += counts.seconds
         for name, count in counts.fallbacks.items():
             record.fallbacks[name] = record.fallbacks.get(name, 0) + count
-
-    def _ranks(self):
-        """The steps this process's running ranks are in, how many returned, and whether
-        one is in its work after returning. Ranks not started yet may be this process's."""
-        beat = self._heartbeat
-        mine = [r for r in range(beat.ranks) if beat.pid(r) in (self._pid, None)]
-        running = [beat.step(r) for r in mine if not beat.returned(r)]
-        returned = [r for r in mine if beat.returned(r)]
-        closing = any(not beat.finished(r) for r in returned)
-        return running, len(returned), closing
 
     def _read(self, every_time=False):
         met = self._met

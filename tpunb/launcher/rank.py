@@ -70,7 +70,7 @@ def run(key: int, rank: int, work: Callable[[int], Any] | None = None) -> None:
         rank,
         job.channel,
         job.start,
-        job.heartbeat if "compiles" not in unwatched else None,
+        "compiles" not in unwatched,
         job.ledger if job.plan.cores > 1 and "collectives" not in unwatched else None,
         memory="memory" not in unwatched,
         split_syncs="reads" not in unwatched,

@@ -1,8 +1,8 @@
 """In a rank: what each step did, recorded at every ``torch_xla.sync()`` and sent to the
 notebook in batches (``messages.Steps``) before a later sync. A step's record holds the
-values given to ``tpunb.log``, the shapes of the batches the loader handed out, and, from
-one rank a process, the process's new compilations, compile time and CPU fallback ops
-(torch_xla's metrics are per process)."""
+values given to ``tpunb.log``, the shapes of the batches the loader handed out, and the
+rank's process's new compilations, compile time and CPU fallback ops (torch_xla's metrics
+are per process, and each rank is a process)."""
 
 from __future__ import annotations
 
@@ -25,9 +25,9 @@ class Recorder:
     """A rank's steps: filled in its thread, sent over the launch's channel."""
 
     def __init__(
-        self, rank, channel, start, heartbeat=None, ledger=None, memory=True, split_syncs=True
+        self, rank, channel, start, compiles=True, ledger=None, memory=True, split_syncs=True
     ):
-        """``heartbeat``: given to the one rank a process that reports its compilations;
+        """``compiles``: whether it counts its process's compilations and fallbacks;
         ``ledger``: where the rank's collective calls go (``ledger.py``), if it has peers;
         ``memory``: whether it reads its device's memory; ``split_syncs``: whether it looks
         for syncs that split a step (its watchers, ``watchers.py``)."""
@@ -43,7 +43,7 @@ class Recorder:
         self._pass = None  # the device loader of the training loader's current pass
         self._unsent = []  # finished steps, device values not yet read back
         self._last_flush = time.monotonic()
-        self._counters = ProcessCounters(heartbeat) if heartbeat is not None else None
+        self._counters = ProcessCounters() if compiles else None
         self._in_framework = False  # a framework's own steps, outside its training loop
         self._reads = {}  # (kind, what, file, line) -> times read in the current step
         # The syncs that ran work since a loader last handed out a batch: the program's own
@@ -133,8 +133,8 @@ class Recorder:
                     key = ("split", *site)
                     self._reads[key] = self._reads.get(key, 0) + 1
         if time.monotonic() - self._last_flush >= FLUSH_SECONDS:
-            # The process's reporter keeps its last step back: the counts of the ranks
-            # still running after it join that step at the end (finish).
+            # The last step stays back: what the process counts after it, until the
+            # function returns, joins that step at the end (finish).
             self.flush(keep_last=self._counters is not None)
 
     def training_data(self, dataset: object) -> None:
@@ -198,11 +198,8 @@ class Recorder:
             else:
                 self.end_step()
         if self._counters is not None and self._unsent:
-            # The steps before the last go now: another rank's failure may stop the process
-            # while this one waits.
             self.flush(keep_last=True)
-            # What the process's other ranks compiled and ran on the CPU after this rank's
-            # last step (threads drift apart after their last collective).
+            # What the process compiled and ran on the CPU after the last step.
             self._counters.after_last_step(self._unsent[-1])
         self.flush()
 

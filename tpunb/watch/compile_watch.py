@@ -29,15 +29,17 @@ WARMUP, TRAINING, NOT_TRAINING = "warm-up", "training", "not training"
 # device) in this many steps after the warm-up is warned about.
 WAITING_STEPS = 5
 _READ_BACK = "aten::_local_scalar_dense"  # .item() and the like: a value read back
+# The steps, from a step, whose new batch shapes may explain the step's compilations,
+# nearest first: a compilation may be counted a step or two from its cause (read at the
+# sync after it, or after a helper that read values ran).
+_NEARBY = (0, -1, 1, 2)
 _DID = {"cut": "cut", "wait": "waited in", "split": "split"}  # a read's kind, summed up
 
-# What a step did, all ranks together: compilations ({reporting rank: count}, one count a
-# process, those the step itself may have caused: torch_xla's helpers' own left out), CPU
-# fallbacks (op -> times), the steps the processes' ranks were in meanwhile (lowest,
-# highest; None when unknown), and whether one of them was in its work after its function
-# returned, and the device values its ranks read ((kind, what, file, line): kind "cut",
-# "wait" or "split", as ``history.Step.reads``).
-_Register = collections.namedtuple("_Register", "compiles fallbacks span closing reads")
+# What a step did, all ranks together: compilations ({rank: count}, one count a process,
+# those the step itself may have caused: torch_xla's helpers' own left out), CPU fallbacks
+# (op -> times), and the device values its ranks read ((kind, what, file, line): kind
+# "cut", "wait" or "split", as ``history.Step.reads``).
+_Register = collections.namedtuple("_Register", "compiles fallbacks reads")
 
 
 @dataclasses.dataclass
@@ -66,16 +68,15 @@ class CompileWatch:
         self._last_step = float("inf")  # known once the launch ended
         self._registers = {}  # step -> _Register, until judged
         self._shapes = {}  # batch shape -> first step seen (ordered)
-        # step -> the shapes new to a process there: first seen by any rank where ranks share
-        # a process; where each rank is a process (a v5e-8), first seen by that rank, since
-        # each process compiles every shape it meets
+        # step -> the shapes new to a process there: first seen by that rank, since each
+        # process (a rank, as on a v5e-8) compiles every shape it meets
         self._new_by_step = collections.defaultdict(list)
         self._rank_shapes = collections.defaultdict(set)  # rank -> the shapes it has met
         self._framework_steps = set()
         self._places = {}  # step -> where the training loop was: "epoch 2, batch 3"
         self._batch_sizes = collections.Counter()
         self._warned = set()
-        self._processes = collections.defaultdict(_ProcessCounts)  # reporting rank -> counts
+        self._processes = collections.defaultdict(_ProcessCounts)  # rank -> its process's counts
         self.fallbacks = collections.Counter()
         self.causes = {}  # cause key (a string, or ("cut", what, file, line)) -> message
         self._batches = set()  # (epoch, batch) of the training loader's batches seen
@@ -122,19 +123,13 @@ class CompileWatch:
         )
 
     def _analyse(self, through, final):
-        # Compilations are counted per process, shapes per rank. Where ranks share a process
-        # they may be steps apart (no collective keeps them in step), so a compilation
-        # counted in the reporting rank's step can be another rank's, steps before or
-        # after. A step is judged once every step its process's ranks were in meanwhile,
-        # and the next, is complete: its compilations are blamed on a new shape there.
+        # A step is judged once the steps it may blame are complete (``_NEARBY``).
         while self._registered <= through:
             self._register(self._registered, self._pending.pop(self._registered, {}))
             self._registered += 1
         warnings = []
         while self._next_step < self._registered:
-            register = self._registers[self._next_step]
-            highest = register.span[1] if register.span else self._next_step
-            if not final and highest + 1 >= self._registered:
+            if not final and self._next_step + max(_NEARBY) >= self._registered:
                 break
             warnings += self._warnings_at(self._next_step)
             del self._registers[self._next_step]
@@ -165,8 +160,6 @@ class CompileWatch:
                 self._batches.add((s.epoch, s.epoch_batch))
                 break
         reports = [s for s in by_rank.values() if s.compiles is not None]
-        spans = [s.process_steps for s in reports if s.process_steps is not None]
-        span = (min(lo for lo, _ in spans), max(hi for _, hi in spans)) if spans else None
         compiles = {}
         for rank, s in by_rank.items():
             if s.compiles is None:
@@ -180,26 +173,21 @@ class CompileWatch:
         for s in reports:
             fallbacks.update(s.fallbacks)
         self.fallbacks.update(fallbacks)
-        # Every rank reports its own process's compilations: a process a rank.
-        process_a_rank = all(s.compiles is not None for s in by_rank.values())
         for rank in sorted(by_rank):
             for batch in by_rank[rank].shapes:
                 key = _shape_key(batch)
-                new_here = key not in self._rank_shapes[rank] if process_a_rank else None
-                if key not in self._shapes:
-                    self._shapes[key] = number
-                    new_here = True if new_here is None else new_here
+                new_here = key not in self._rank_shapes[rank]  # new to the rank's process
+                self._shapes.setdefault(key, number)
                 if new_here and key not in self._new_by_step[number]:
                     self._new_by_step[number].append(key)
                 self._rank_shapes[rank].add(key)
                 self._batch_sizes[key[0][0] if key[0] else 1] += 1
-        closing = any(s.process_closing for s in reports)
         reads = {tuple(read[:4]) for s in by_rank.values() for read in s.reads or ()}
         self._reads_watched |= any(s.reads is not None for s in by_rank.values())
-        self._registers[number] = _Register(compiles, fallbacks, span, closing, reads)
+        self._registers[number] = _Register(compiles, fallbacks, reads)
 
     def _warnings_at(self, number):
-        by_process, fallbacks, span, closing, reads = self._registers[number]
+        by_process, fallbacks, reads = self._registers[number]
         read_causes = self._read_causes(number, reads)
         if number < self._warmup_end:
             self._count_warmup(number, by_process)
@@ -210,13 +198,10 @@ class CompileWatch:
             self._verdicts[number] = NOT_TRAINING
             return []
         self._verdicts[number] = TRAINING
-        lowest, highest = span or (number, number)
-        # After the last sync (the launch's last step, or a rank's work after its function)
-        # a read such as `return loss.item()` takes a computed value: it cuts no step. A
-        # rank past the last step (its function not yet returned) may be the one that read.
-        after_training = number == self._last_step or closing or highest > self._last_step
-        # A read is the rank's own, in its step: counted whatever the process's other ranks
-        # were doing (the reads after a rank's last sync are never recorded).
+        # After the last sync (the launch's last step, which holds a rank's work after its
+        # function) a read such as `return loss.item()` takes a computed value: it cuts no
+        # step (the reads after a rank's last sync are never recorded).
+        after_training = number == self._last_step
         causes = read_causes + [
             (f"fallback {op}", self._fallback_message(number, op))
             for op in fallbacks
@@ -224,20 +209,18 @@ class CompileWatch:
             # reads of computed values this op also counts cut nothing.
             if not after_training and not (self._reads_watched and op == _READ_BACK)
         ]
-        # The new shapes that explain the compilations: this step's, else the nearest of
-        # the steps the process's ranks were in meanwhile (and one either side).
-        around = sorted(range(lowest - 1, highest + 2), key=lambda n: abs(n - number))
-        shaped_at = next((n for n in around if self._new_at(n)), None)
+        # The new shapes that explain the compilations: this step's, else the nearest.
+        shaped_at = next((number + n for n in _NEARBY if self._new_at(number + n)), None)
         compiles = max(by_process.values(), default=0)  # graphs new to a process
-        if compiles and shaped_at is None and lowest < self._warmup_end:
-            self._count_warmup(number, by_process)  # a rank was still in its warm-up
-        elif compiles:
+        if compiles:
             new = self._new_at(shaped_at) if shaped_at is not None else []
             cause = self._compile_cause(number if shaped_at is None else shaped_at, compiles, new)
             # Expected graphs of their own: the work after a rank's function (evaluating,
             # gathering results), the launch's last step, and a framework step's work read
             # a step early or run in the step after it.
-            expected = after_training or any(n in self._framework_steps for n in around)
+            expected = after_training or any(
+                number + n in self._framework_steps for n in (-1, 0, 1)
+            )
             few = self._shapes_through(shaped_at or number) <= compile_causes.FEW_SHAPES
             if cause[0] == "shapes" and few:
                 pass  # a bucket's first batch: a few shapes, each compiled once

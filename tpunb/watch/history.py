@@ -21,12 +21,10 @@ if TYPE_CHECKING:
 class Step:
     """One step of one rank: what happened between two of its ``torch_xla.sync()``.
 
-    ``compiles``, ``cached``, ``compile_seconds`` and ``fallbacks`` are the process's
-    (torch_xla counts per process), set only on the rank that reports them (None on the
-    others), with where the process's ranks were meanwhile: ``process_steps`` (the lowest
-    and highest step they were in) and ``process_closing`` (one of them ran the work after
-    its function returned, e.g. computing its result). ``shapes`` has one entry a batch
-    the loader handed out in the step."""
+    ``compiles``, ``cached``, ``compile_seconds`` and ``fallbacks`` are the rank's
+    process's (torch_xla counts per process; each rank is a process), None where the
+    compile watch was left out. ``shapes`` has one entry a batch the loader handed out in
+    the step."""
 
     step: int
     time: float  # seconds since the launch started
@@ -37,8 +35,6 @@ class Step:
     cached: int | None = None
     compile_seconds: float | None = None
     fallbacks: dict | None = None
-    process_steps: tuple | None = None
-    process_closing: bool = False
     # Progress through the first loader the rank iterated (its training loader): the
     # epoch (0 for the first pass), batches handed out so far in it, and batches a pass
     # (None when the loader has no length). None before that loader's first batch.
@@ -282,8 +278,8 @@ class History:
         for row in saved["rows"]:
             rank = row.pop("rank")
             row["shapes"] = [[tuple(shape) for shape in batch] for batch in row["shapes"]]
-            if row.get("process_steps") is not None:
-                row["process_steps"] = tuple(row["process_steps"])
+            for retired in ("process_steps", "process_closing"):  # saved before 2026-11-28
+                row.pop(retired, None)
             history.add(rank, [Step(**row)])
         history.judge({int(step): verdict for step, verdict in saved.get("verdicts", {}).items()})
         return history
