@@ -94,7 +94,7 @@ def launched_without(fn, name):
     import dataclasses
 
     from tpunb.launcher import preflight, supervise
-    from tpunb.launcher.xmp_spawn import XmpSpawn
+    from tpunb.launcher.launchers import XmpSpawn
 
     plan, view = preflight.checked(hang_timeout=600, view="auto", fn=fn)
     plan = dataclasses.replace(plan, unwatched=frozenset({name}))

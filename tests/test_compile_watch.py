@@ -241,7 +241,7 @@ def test_the_reads_and_the_compile_watch_left_out_record_nothing_in_the_ranks(co
     import dataclasses
 
     from tpunb.launcher import preflight, supervise
-    from tpunb.launcher.xmp_spawn import XmpSpawn
+    from tpunb.launcher.launchers import XmpSpawn
 
     plan, view = preflight.checked(hang_timeout=600, view=False, fn=_reads_mid_step)
     plan = dataclasses.replace(plan, unwatched=frozenset({"reads", "compiles"}))

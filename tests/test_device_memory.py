@@ -10,10 +10,10 @@ import torch
 
 import tpunb
 from tpunb.launcher import failures
-from tpunb.launcher.messages import Raised
+from tpunb.launcher.channel import Raised
 from tpunb.watch import device_memory
 from tpunb.watch.history import History, Step
-from tpunb.watch.snapshot import Snapshot
+from tpunb.watch.live import Snapshot
 
 GiB = 2**30
 

@@ -12,8 +12,8 @@ import torch
 from conftest import launch_leftovers, run_python
 
 import tpunb
+from tpunb.launcher.channel import Raised
 from tpunb.launcher.failures import raised_error
-from tpunb.launcher.messages import Raised
 
 
 def _identity(rank, tag, *, scale=1):

@@ -8,12 +8,12 @@ import warnings
 import pytest
 
 import tpunb
-from tpunb.launcher import base, rank, supervisor
-from tpunb.launcher.messages import Raised, Returned, Steps
+from tpunb.launcher import launchers, rank, supervisor
+from tpunb.launcher.channel import Raised, Returned, Steps
 from tpunb.launcher.preflight import Plan
 from tpunb.watch import live
 from tpunb.watch.history import Step
-from tpunb.watch.snapshot import Snapshot
+from tpunb.watch.live import Snapshot
 
 STEPS = 10  # a rank's steps; its batches have 8 samples, its last one 5
 COMPILES = [2, 1, 0, 0, 0, 0, 0, 0, 0, 1]  # each rank's process: the warm-up, then the 5
@@ -40,7 +40,7 @@ def _records(core):
     ]
 
 
-class _Records(base.Launcher):
+class _Records(launchers.Launcher):
     """Ranks that are only what they send: each core's step records, in two messages as a
     rank sends them while it runs, then its error or its result, written to the launch's
     channel from the launcher's thread."""

@@ -27,7 +27,7 @@ from tpunb.metrics import log
 from tpunb.sampling import shard
 from tpunb.simulation import simulate
 from tpunb.sweep import sweep_batch_sizes
-from tpunb.watch.compile_summary import CompileSummary
+from tpunb.watch.compile_watch import CompileSummary
 from tpunb.watch.history import History
 
 __all__ = [

@@ -6,9 +6,9 @@ The machinery, one file a responsibility, in the order a launch meets it:
 
     preflight.py    everything checked before a fork: the Plan (cores, simulated,
                     watchers left out), which the job carries to the ranks
-    base.py         Launcher: what starts the ranks (one small interface) ...
-    xmp_spawn.py      ... on every core: xmp.spawn(fork), a process a core
-    one_core.py       ... one rank in a child process (cores=1, debugging)
+    launchers.py    what starts the ranks: the Launcher interface; XmpSpawn, every core
+                    through xmp.spawn(fork), a process a core; OneCore, one rank in a
+                    child process (cores=1, debugging)
     supervisor.py   the notebook's side: starts the launcher, reads the ranks' messages
                     into the history, the watchers and the live view, stops everything
                     on the first failure, a hang or an interrupt; the outcome
@@ -19,15 +19,15 @@ The machinery, one file a responsibility, in the order a launch meets it:
     process_counters.py  the process's compile and fallback counters, a step's share
     hooks.py        torch_xla.sync and the loader, wrapped so steps end and batches count
     reads.py        the Tensor methods that read device values, wrapped: does a read cut?
-    messages.py     the typed records a rank sends the notebook (Steps, Raised, Returned)
-    channel.py      the pipe that carries them, by value
+    channel.py      the typed records a rank sends the notebook (Steps, Raised,
+                    Returned) and the pipe that carries them, by value
     heartbeat.py    per-rank progress in shared memory, stacks on demand, the watchdog
     ledger.py       each rank's collective calls in shared memory: ranks that diverged
     failures.py     what a failure is reported as, with its likely cause
     processes.py    the launch's processes: recorded, found, killed
 
 What tpunb.lightning uses (its launcher is Lightning's own): ``preflight.checked``,
-``preflight.check_runtime_not_started`` (again at fit), ``base.Launcher``,
+``preflight.check_runtime_not_started`` (again at fit), ``launchers.Launcher``,
 ``supervisor.supervise``, ``rank.run`` and, inside a rank, ``recorder.current()``.
 """
 
@@ -36,9 +36,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from tpunb.launcher import preflight
-from tpunb.launcher.one_core import OneCore
+from tpunb.launcher.launchers import OneCore, XmpSpawn
 from tpunb.launcher.supervisor import LaunchResults, supervise
-from tpunb.launcher.xmp_spawn import XmpSpawn
 
 if TYPE_CHECKING:
     from collections.abc import Callable

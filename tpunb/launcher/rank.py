@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from tpunb.errors import CollectiveMismatch, RankEnded
 from tpunb.launcher import channel, failures, heartbeat, ledger, recorder
-from tpunb.launcher.messages import Raised, Returned
+from tpunb.launcher.channel import Raised, Returned
 from tpunb.wording import program_lines
 
 if TYPE_CHECKING:

@@ -11,7 +11,7 @@ import time
 
 from tpunb.errors import TpunbError
 from tpunb.launcher import reads
-from tpunb.launcher.messages import Steps
+from tpunb.launcher.channel import Steps
 from tpunb.launcher.process_counters import ProcessCounters, excused_here
 from tpunb.watch import device_memory
 from tpunb.watch.history import Step

@@ -25,7 +25,7 @@ from tpunb.launcher import (
     rank,
     watchers,
 )
-from tpunb.launcher.messages import Ended, Raised, Returned, Steps
+from tpunb.launcher.channel import Ended, Raised, Returned, Steps
 from tpunb.machine import platform
 from tpunb.watch import compile_watch, history, live
 
@@ -33,9 +33,9 @@ if TYPE_CHECKING:
     from collections.abc import Callable, Iterable
     from typing import Any
 
-    from tpunb.launcher.base import Launcher
+    from tpunb.launcher.launchers import Launcher
     from tpunb.launcher.preflight import Plan
-    from tpunb.watch.compile_summary import CompileSummary
+    from tpunb.watch.compile_watch import CompileSummary
     from tpunb.watch.history import History
 
 HANG_CHECK_SECONDS = 0.1
@@ -68,7 +68,7 @@ def supervise(
     args: tuple = (),
     kwargs: dict[str, Any] | None = None,
 ) -> LaunchResults:
-    """Runs ``launcher`` (a ``base.Launcher``) for ``plan`` and watches its ranks; returns a
+    """Runs ``launcher`` (a ``launchers.Launcher``) for ``plan`` and watches its ranks; returns a
     ``LaunchResults`` or raises the first failure. ``fn(rank, *args, **kwargs)`` is what
     the ranks run, unless the launcher gives them their work itself (``rank.run(key,
     rank, work)``). ``view`` is a mode of ``live.resolve``."""

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from collections.abc import Iterable
 
     from tpunb.launcher.rank import Job
-    from tpunb.watch.compile_summary import CompileSummary
+    from tpunb.watch.compile_watch import CompileSummary
     from tpunb.watch.history import History, Step
 
 NAMES = ("compiles", "reads", "collectives", "memory")

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 
 from tpunb import upstream
 from tpunb.errors import TpunbError
-from tpunb.launcher import base, one_core, preflight, rank, supervisor
+from tpunb.launcher import launchers, preflight, rank, supervisor
 from tpunb.wording import migration
 
 if importlib.util.find_spec("lightning") is None:
@@ -176,7 +176,7 @@ class OneCoreXLAStrategy(XLAStrategy):
         rank_zero_only.rank = self.global_rank
 
 
-class _LightningRanks(base.Launcher):
+class _LightningRanks(launchers.Launcher):
     """Starts the ranks through Lightning's own XLA launcher; keeps what it returned."""
 
     def __init__(self, launcher, function, args, trainer, kwargs):
@@ -201,7 +201,7 @@ def _launch_one_core(launcher, function, *args, trainer=None, **kwargs):
     makes that call, and the rank's results come back through Lightning's own queue."""
     with multiprocessing.Manager() as manager:
         results = manager.Queue()
-        exitcode = one_core.in_a_child_process(
+        exitcode = launchers.in_a_child_process(
             launcher._wrapping_function, trainer, function, args, kwargs, results
         )
         if exitcode != 0:  # the rank has reported why, or the supervisor will

@@ -2,15 +2,14 @@
 step, with their cause (a batch shape not seen before, a short last batch, an op that ran
 on the CPU, or a graph that changed for another reason), and the reads of device values
 that cut a step or wait for the device, with their line; warned about once a cause, and
-summed up at the end."""
+summed up at the end (``CompileSummary``, ``results.compiles``). The watch decides when a
+cause is one; the ``_..._words`` functions say it: what happened, where, and the fix."""
 
 from __future__ import annotations
 
 import collections
 import dataclasses
 
-from tpunb.watch import compile_causes
-from tpunb.watch.compile_summary import CompileSummary
 from tpunb.wording import reports
 
 # Steps whose compilations are expected: the sync before the first batch, the first
@@ -40,6 +39,164 @@ _DID = {"cut": "cut", "wait": "waited in", "split": "split"}  # a read's kind, s
 # (op -> times), and the device values its ranks read ((kind, what, file, line): kind
 # "cut", "wait" or "split", as ``history.Step.reads``).
 _Register = collections.namedtuple("_Register", "compiles fallbacks reads")
+
+
+# Why an op runs on the CPU, for the ops training code triggers most.
+_FALLBACK_CAUSES = {
+    "aten::_local_scalar_dense": (
+        ".item(), float(t), int(t) or a Python if on a tensor: the step stops, its graph "
+        "runs and the value is copied to the host. Log device tensors with tpunb.log(...) "
+        "(read back in batches), or keep the test on the device with torch.where"
+    ),
+    "aten::nonzero": (
+        "a boolean mask (x[mask]) or torch.nonzero: the result's shape depends on the data. "
+        "Multiply by the mask, or use torch.where, to keep shapes fixed"
+    ),
+    "aten::masked_select": (
+        "masked_select: the result's shape depends on the data. Multiply by the mask "
+        "instead, to keep shapes fixed"
+    ),
+}
+
+# Where a framework runs the loop: what it reads back itself.
+_LIGHTNING_READS = (
+    ". In PyTorch Lightning, self.log(..., prog_bar=True) makes one at every batch: "
+    "Lightning reads the value back for its progress bar. Leave prog_bar out: the live "
+    "view shows the value"
+)
+
+
+def _fallback_words(where, op, framework):
+    """``op`` ran on the CPU at ``where`` ("epoch 1, batch 3"); ``framework``: a framework
+    runs the loop."""
+    why = _FALLBACK_CAUSES.get(op, "an op torch_xla has no XLA lowering for")
+    if framework and op == "aten::_local_scalar_dense":
+        why += _LIGHTNING_READS
+    return (
+        f"{where} ran {op} on the CPU (a fallback: the step's graph is cut there and data "
+        f"goes through the host). Likely cause: {why}."
+    )
+
+
+def _read_words(where, kind, what, file, line, waiting_steps):
+    """A read of a device value at ``file``, ``line``: ``kind`` "cut" (the step had not
+    computed it yet) or "wait" (in ``waiting_steps`` steps, an execution was still
+    computing it)."""
+    if kind == "cut":
+        why = (
+            "read a value the step had not computed yet. torch_xla ran the step's graph up "
+            "to that value there, and at the sync runs the step's graph as another, the work "
+            "before the read included: two graphs a step, and work done twice."
+        )
+    else:
+        why = (
+            f"has waited for the device in {waiting_steps} steps: it read a value the step's "
+            "execution was still computing. It cuts no graph, but each time the host stops "
+            "there until the device is done, instead of tracing the next step meanwhile."
+        )
+    hint = _LIGHTNING_READS if "lightning" in file else ""
+    return (
+        f"{where}: {what} at {file}, line {line} {why} Read values after torch_xla.sync() "
+        "only where needed, in xm.add_step_closure(...), or log them with tpunb.log(...), "
+        f"read back in batches{hint}."
+    )
+
+
+def _split_words(where, what, file, line):
+    """A sync of the program's at ``file``, ``line`` ended a step that another sync, in the
+    same batch of the loader, ended again: the step ran as two graphs."""
+    return (
+        f"{where}: {what} at {file}, line {line} ran the step's work before its batch was "
+        "done, and another sync in the same batch ran the work traced after it: two graphs "
+        "a step instead of one, each dispatched and waited for. torch_xla's loader "
+        "(MpDeviceLoader, tpunb.shard) already syncs at every batch: remove this call, or "
+        "move the work traced after it before it."
+    )
+
+
+# Distinct batch shapes a run may have without a warning: each compiles once, and a few
+# is what padding to buckets gives (the messages below advise 4).
+FEW_SHAPES = 4
+
+
+def _compile_words(where, compiles, new, usual, shapes_so_far):
+    """(key, message) for ``compiles`` new graphs at ``where``: ``new``, the batch shapes
+    first seen there (none: the graph itself changed); ``usual``, the most common batch
+    size; ``shapes_so_far``, the distinct shapes seen by then."""
+    graphs = reports.count(compiles, "new graph")
+    if not new:
+        return "graph", (
+            f"{where} compiled {graphs} with batch shapes seen before: the graph "
+            "itself changed, e.g. a Python branch on a tensor value, a value that is a "
+            "Python number one step and another the next, or a different code path "
+            "(evaluation, logging). Keep the step's code path the same every step."
+        )
+    short = [key for key in new if key[0] and key[0][0] < usual]
+    if short and len(short) == len(new):
+        return "short batch", (
+            f"{where} compiled {graphs}: batch shape {_format(short[0])} is smaller "
+            f"than the usual batch of {usual}, the short last batch of an epoch. Build the "
+            "DataLoader with drop_last=True, or pad it to the full batch with "
+            f"tpunb.BucketCollate(..., batch_size={usual})."
+        )
+    return "shapes", (
+        f"{where} compiled {graphs}: batch shape {_format(new[0])} not seen before; "
+        f"{reports.count(shapes_so_far, 'distinct shape')} so far. Every new "
+        "shape is a new graph to compile. Pad to buckets: DataLoader(..., collate_fn="
+        f"tpunb.BucketCollate(tpunb.choose_buckets(lengths, {FEW_SHAPES}, batch_size=...))) "
+        f"gives at most {FEW_SHAPES} shapes."
+    )
+
+
+def _format(key):
+    return " and ".join(str(shape) for shape in key)
+
+
+@dataclasses.dataclass(frozen=True, repr=False)
+class CompileSummary(reports.Report):
+    """Compilations of a launch and what caused them. torch_xla compiles and counts per
+    process: the counts are those of the process that compiled most (on a v5e-8 each of
+    the 8 processes compiles the graphs its own batches need, the same ones where every
+    shard has the same shapes; ``all_processes_compiles`` sums them)."""
+
+    compiles: int
+    warmup_compiles: int
+    helper_compiles: int  # graphs of xm.rendezvous, xm.mesh_reduce, step closures
+    compile_seconds: float
+    steps: int  # training steps: batches of the training loader (syncs without one)
+    shapes: list  # distinct batch shapes, in the order first seen
+    fallbacks: dict  # op name -> times it ran on the CPU, all processes together
+    causes: list  # one line a cause seen after the warm-up
+    processes: int = 1  # processes that reported compilations
+    all_processes_compiles: int | None = None  # None: the same as ``compiles``
+
+    @property
+    def compiles_after_warmup(self) -> int:
+        """The training steps' own compilations after the warm-up."""
+        return self.compiles - self.warmup_compiles - self.helper_compiles
+
+    def _content(self):
+        rows = [
+            ("compilations", self._compilations()),
+            ("compile time", f"{self.compile_seconds:.1f} s"),
+            ("training steps", str(self.steps)),
+            ("batch shapes", str(len(self.shapes))),
+        ]
+        rows += [(f"CPU fallback {op}", f"{n} times") for op, n in self.fallbacks.items()]
+        return "Compilations", rows, self.causes
+
+    def _compilations(self):
+        parts = [f"{self.warmup_compiles} in the warm-up"]
+        if self.helper_compiles:
+            parts.append(f"{self.helper_compiles} in torch_xla's rendezvous and step closures")
+        if self.processes == 1:
+            return f"{self.compiles} ({', '.join(parts)})"
+        total = self.all_processes_compiles
+        each = "in each" if total == self.compiles * self.processes else "at most, in one"
+        return (
+            f"{self.compiles} {each} of {self.processes} processes ({', '.join(parts)}; "
+            f"{total} in all)"
+        )
 
 
 @dataclasses.dataclass
@@ -221,7 +378,7 @@ class CompileWatch:
             expected = after_training or any(
                 number + n in self._framework_steps for n in (-1, 0, 1)
             )
-            few = self._shapes_through(shaped_at or number) <= compile_causes.FEW_SHAPES
+            few = self._shapes_through(shaped_at or number) <= FEW_SHAPES
             if cause[0] == "shapes" and few:
                 pass  # a bucket's first batch: a few shapes, each compiled once
             elif cause[0] != "graph" or not expected:
@@ -250,11 +407,11 @@ class CompileWatch:
         for key in sorted(reads):
             self._read_steps[key] += 1
             if key[0] == "split":
-                causes.append((key, compile_causes.split(self._place(number), *key[1:])))
+                causes.append((key, _split_words(self._place(number), *key[1:])))
             elif key[0] == "cut" or (
                 self._read_steps[key] >= WAITING_STEPS and number >= self._warmup_end
             ):
-                message = compile_causes.read(self._place(number), *key, WAITING_STEPS)
+                message = _read_words(self._place(number), *key, WAITING_STEPS)
                 causes.append((key, message))
         return causes
 
@@ -284,10 +441,10 @@ class CompileWatch:
     def _compile_cause(self, number, compiles, new):
         usual = self._batch_sizes.most_common(1)[0][0] if new else None
         shapes = self._shapes_through(number)
-        return compile_causes.compiled(self._place(number), compiles, new, usual, shapes)
+        return _compile_words(self._place(number), compiles, new, usual, shapes)
 
     def _fallback_message(self, number, op):
-        return compile_causes.fallback(self._place(number), op, bool(self._framework_steps))
+        return _fallback_words(self._place(number), op, bool(self._framework_steps))
 
 
 def _shape_key(batch):
