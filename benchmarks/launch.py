@@ -96,9 +96,9 @@ def launched_without(fn, name):
     from tpunb.launcher import preflight, supervise
     from tpunb.launcher.launchers import XmpSpawn
 
-    plan, view = preflight.checked(hang_timeout=600, view="auto", fn=fn)
+    plan = preflight.checked(hang_timeout=600, view="auto", fn=fn)
     plan = dataclasses.replace(plan, unwatched=frozenset({name}))
-    return supervise(plan, XmpSpawn(plan.cores), 600, view, fn)
+    return supervise(plan, XmpSpawn(plan.cores), fn)
 
 
 def one_recorded_call(calls=2000):

@@ -243,11 +243,11 @@ def test_the_reads_and_the_compile_watch_left_out_record_nothing_in_the_ranks(co
     from tpunb.launcher import preflight, supervise
     from tpunb.launcher.launchers import XmpSpawn
 
-    plan, view = preflight.checked(hang_timeout=600, view=False, fn=_reads_mid_step)
+    plan = preflight.checked(hang_timeout=600, view=False, fn=_reads_mid_step)
     plan = dataclasses.replace(plan, unwatched=frozenset({"reads", "compiles"}))
     with warnings.catch_warnings():
         warnings.simplefilter("error", tpunb.TpunbWarning)  # none of the 7 above
-        results = supervise(plan, XmpSpawn(plan.cores), 600, view, _reads_mid_step)
+        results = supervise(plan, XmpSpawn(plan.cores), _reads_mid_step)
     assert len(results) == 8
     steps = [step for steps in results.history.steps.values() for step in steps]
     assert len(steps) >= 8 * STEPS

@@ -370,7 +370,7 @@ def test_a_dataloader_whose_workers_the_host_has_cpus_for_is_not_warned_about(co
     loader = DataLoader(TensorDataset(torch.arange(64.0)), batch_size=8, num_workers=1)
     with warnings.catch_warnings():
         warnings.simplefilter("error", tpunb.TpunbWarning)
-        plan, _ = preflight.checked(1, hang_timeout=600, view=False, fn=_sums, args=(loader,))
+        plan = preflight.checked(1, hang_timeout=600, view=False, fn=_sums, args=(loader,))
     assert plan.cores == 1
 
 

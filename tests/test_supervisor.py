@@ -63,8 +63,8 @@ class _Records(launchers.Launcher):
 
 
 def _supervise(launcher, unwatched=frozenset()):
-    plan = Plan(cores=launcher.cores, simulated=True, unwatched=unwatched)
-    return supervisor.supervise(plan, launcher, hang_timeout=None, view="text")
+    plan = Plan(launcher.cores, True, hang_timeout=None, view="text", unwatched=unwatched)
+    return supervisor.supervise(plan, launcher)
 
 
 def test_records_reach_the_history_the_compile_watch_and_the_view(capsys, monkeypatch):
@@ -185,3 +185,11 @@ def test_while_stopping_the_supervisor_looks_for_processes_to_kill_once_a_check(
     gaps = [later - earlier for earlier, later in zip(calls, calls[1:], strict=False)]
     # A check's wait between two looks (a busy machine only makes them longer).
     assert len(gaps) >= 2 and min(gaps) >= supervisor.HANG_CHECK_SECONDS / 2, gaps
+
+
+def test_a_watcher_named_wrong_is_an_error_not_a_watcher_silently_off():
+    with pytest.raises(ValueError, match=r"no watchers called \['compile'\]"):
+        Plan(2, True, unwatched=frozenset({"compile"}))
+    with pytest.raises(ValueError, match="no watcher called 'memroy'"):
+        Plan(2, True).watches("memroy")
+    assert Plan(2, True, unwatched=frozenset({"memory"})).watches("compiles")

@@ -81,7 +81,7 @@ def launch(
         ``LaunchResults``: each rank's result by rank, with ``.history`` and ``.compiles``.
         A failing rank, a hang or ranks that diverged raise ``RankError`` instead.
     """
-    plan, view = preflight.checked(
+    plan = preflight.checked(
         cores,
         hang_timeout=hang_timeout,
         view=live,
@@ -91,4 +91,4 @@ def launch(
         kwargs=kwargs,
     )
     launcher = OneCore() if plan.cores == 1 else XmpSpawn(plan.cores)
-    return supervise(plan, launcher, hang_timeout, view, fn, args, kwargs)
+    return supervise(plan, launcher, fn, args, kwargs)

@@ -5,6 +5,7 @@ happened and what to do."""
 import importlib.util
 import signal
 
+from tpunb import simulation
 from tpunb.errors import RankError
 from tpunb.watch import device_memory
 from tpunb.wording import migration
@@ -172,9 +173,10 @@ def _where(stack):
     return f"in {innermost}"
 
 
-# Where the simulation's ranks wait for each other (found, not imported: it imports
-# torch_xla; a rename fails here, at import, instead of silently in a hang report).
-_COLLECTIVES = [importlib.util.find_spec("tpunb.simulation.host_exchange").origin]
+# Where the simulation's ranks wait for each other, as the simulation names it (found, not
+# imported: it imports torch_xla; a rename fails here, at import, instead of silently in a
+# hang report).
+_COLLECTIVES = [importlib.util.find_spec(name).origin for name in simulation.WAITS_IN]
 
 
 def span(ranks):

@@ -21,13 +21,31 @@ if TYPE_CHECKING:
     from typing import Any
 
 
+# What a launch can watch (launcher/watchers.py): a plan may leave any of them out.
+WATCHERS = ("compiles", "reads", "collectives", "memory")
+
+
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """What a launch will run on."""
+    """Everything a launch is: where it runs, how long a step may take, what the notebook
+    shows, and what it watches."""
 
     cores: int  # ranks the launch runs: all cores, or 1, each in a process of its own
     simulated: bool
-    unwatched: frozenset = frozenset()  # watchers left out (launcher/watchers.py)
+    hang_timeout: float | None = 600  # seconds without a finished step (None: forever)
+    view: str = "off"  # the live view's mode (live.resolve)
+    unwatched: frozenset = frozenset()  # watchers left out, of WATCHERS
+
+    def __post_init__(self) -> None:
+        unknown = set(self.unwatched) - set(WATCHERS)
+        if unknown:
+            raise ValueError(f"no watchers called {sorted(unknown)}: they are {WATCHERS}")
+
+    def watches(self, watcher: str) -> bool:
+        """Whether the launch watches ``watcher`` (one of ``WATCHERS``)."""
+        if watcher not in WATCHERS:
+            raise ValueError(f"no watcher called {watcher!r}: they are {WATCHERS}")
+        return watcher not in self.unwatched
 
 
 def checked(
@@ -39,12 +57,12 @@ def checked(
     fn: Callable[..., Any] | None = None,
     args: tuple = (),
     kwargs: dict[str, Any] | None = None,
-) -> tuple[Plan, str | bool]:
+) -> Plan:
     """Every check before a launch of ``requested`` cores (None: all): the start method,
     ``fn(rank, *args, **kwargs)`` if given (a launch; Lightning brings its own function),
     the hang time-out, the live view's mode ``view`` (``live.resolve``), the cores (``plan``)
-    and the DataLoader worker processes in the arguments. Returns the ``Plan`` and the
-    view's mode; raises ``TpunbError`` (or warns) before anything is started."""
+    and the DataLoader worker processes in the arguments. Returns the ``Plan``; raises
+    ``TpunbError`` (or warns) before anything is started."""
     check_start_method(start_method)
     if fn is not None:
         check_callable(fn, args, kwargs or {})
@@ -52,7 +70,7 @@ def checked(
     mode = live.resolve(view)
     launch_plan = plan(requested)
     warn_about_worker_processes(launch_plan, args, kwargs or {})
-    return launch_plan, mode
+    return dataclasses.replace(launch_plan, hang_timeout=hang_timeout, view=mode)
 
 
 def plan(requested=None):

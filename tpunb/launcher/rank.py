@@ -65,15 +65,15 @@ def run(key: int, rank: int, work: Callable[[int], Any] | None = None) -> None:
     if work is None:
         work = functools.partial(_call_function, job)
     job.heartbeat.enter(rank)
-    unwatched = job.plan.unwatched
+    plan = job.plan
     recording = recorder.Recorder(
         rank,
         job.channel,
         job.start,
-        "compiles" not in unwatched,
-        job.ledger if job.plan.cores > 1 and "collectives" not in unwatched else None,
-        memory="memory" not in unwatched,
-        split_syncs="reads" not in unwatched,
+        plan.watches("compiles"),
+        job.ledger if plan.cores > 1 and plan.watches("collectives") else None,
+        memory=plan.watches("memory"),
+        split_syncs=plan.watches("reads"),
     )
     recorder.enter(recording)
     try:

@@ -62,8 +62,6 @@ class LaunchResults(list):
 def supervise(
     plan: Plan,
     launcher: Launcher,
-    hang_timeout: float | None,
-    view: str | bool,
     fn: Callable[..., Any] | None = None,
     args: tuple = (),
     kwargs: dict[str, Any] | None = None,
@@ -71,7 +69,7 @@ def supervise(
     """Runs ``launcher`` (a ``launchers.Launcher``) for ``plan`` and watches its ranks; returns a
     ``LaunchResults`` or raises the first failure. ``fn(rank, *args, **kwargs)`` is what
     the ranks run, unless the launcher gives them their work itself (``rank.run(key,
-    rank, work)``). ``view`` is a mode of ``live.resolve``."""
+    rank, work)``)."""
     job = rank.Job(
         fn,
         args,
@@ -83,9 +81,10 @@ def supervise(
     )
     key = rank.register(job)
     try:
+        hang_timeout = plan.hang_timeout
         stacks = heartbeat.stacks_on_signal() if hang_timeout else contextlib.nullcontext()
         launch_history = history.History(plan.cores)
-        watching = watchers.of_launch(job, launch_history, plan.unwatched)
+        watching = watchers.of_launch(job, launch_history)
         with (
             platform.spawn_variables_removed(),
             hooks.installed(),
@@ -97,7 +96,7 @@ def supervise(
                 in_ranks.enter_context(watcher.in_ranks())
             warnings.filterwarnings("ignore", FORK_WARNING, DeprecationWarning)
             watchdog = heartbeat.Watchdog(job.heartbeat, hang_timeout, stacks)
-            supervisor = _Supervisor(plan, job, key, launcher, watchdog, view)
+            supervisor = _Supervisor(plan, job, key, launcher, watchdog)
             return supervisor.run(launch_history, watching)
     finally:
         job = rank.unregister(key)
@@ -106,13 +105,12 @@ def supervise(
 
 
 class _Supervisor:
-    def __init__(self, plan, job, key, launcher, watchdog, view):
+    def __init__(self, plan, job, key, launcher, watchdog):
         self.plan = plan
         self.job = job
         self.key = key
         self.launcher = launcher
         self.watchdog = watchdog
-        self.view_mode = view
         self.divergence = None
         self._stopped_since = None  # when a simulated rank was first stopped by a check
         self.processes = []  # the launch's multiprocessing.Process objects: exit codes
@@ -133,7 +131,7 @@ class _Supervisor:
         # Unwatched, the compile watch's summary and the view's panel stay empty.
         unwatched = compile_watch.CompileWatch(self.plan.cores)
         self.compile_watch = compiles.watch if compiles else unwatched
-        self.view = live.Guarded(live.view(self.view_mode, self.history, self.compile_watch))
+        self.view = live.Guarded(live.view(self.plan.view, self.history, self.compile_watch))
         thread = threading.Thread(target=self._start, name="tpunb-launcher", daemon=True)
         with processes.recording_children(thread) as self.processes:
             self.job.channel.start()

@@ -18,16 +18,15 @@ import contextlib
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from tpunb.launcher import hooks, ledger
+from tpunb.launcher.preflight import WATCHERS
 from tpunb.watch import compile_watch, device_memory
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable
-
     from tpunb.launcher.rank import Job
     from tpunb.watch.compile_watch import CompileSummary
     from tpunb.watch.history import History, Step
 
-NAMES = ("compiles", "reads", "collectives", "memory")
+NAMES = WATCHERS
 
 
 class Watcher:
@@ -116,12 +115,13 @@ class Memory(Watcher):
         return self.watch.add(rank, steps)
 
 
-def of_launch(job: Job, history: History, unwatched: Iterable[str] = ()) -> dict[str, Watcher]:
-    """The launch's watchers by name, less those ``unwatched`` names."""
+def of_launch(job: Job, history: History) -> dict[str, Watcher]:
+    """The launch's watchers by name, less those its plan leaves out."""
     made = {
         "compiles": lambda: Compiles(job.plan.cores, history),
         "reads": Reads,
         "collectives": lambda: Collectives(job),
         "memory": Memory,
     }
-    return {name: make() for name, make in made.items() if name not in set(unwatched)}
+    assert tuple(made) == WATCHERS
+    return {name: make() for name, make in made.items() if job.plan.watches(name)}

@@ -82,7 +82,7 @@ def trainer(
     if outdated:
         raise TpunbError(outdated)
     upstream.check(upstream.LIGHTNING, "tpunb.lightning")
-    plan, mode = preflight.checked(hang_timeout=hang_timeout, view=live)
+    plan = preflight.checked(hang_timeout=hang_timeout, view=live)
     trainer_arguments.setdefault("accelerator", "tpu")
     trainer_arguments.setdefault("devices", "auto")
     trainer_arguments.setdefault("enable_progress_bar", False)
@@ -107,7 +107,7 @@ def trainer(
             f"tpunb.lightning.trainer runs through Lightning's XLA launcher; these arguments "
             f"gave {type(strategy).__name__}. Leave strategy out (Lightning then uses 'xla')."
         )
-    strategy._launcher = _WatchedXLALauncher(strategy, plan, mode, hang_timeout)
+    strategy._launcher = _WatchedXLALauncher(strategy, plan)
     return built
 
 
@@ -129,11 +129,9 @@ class _WatchedXLALauncher(_XLALauncher):
     report their steps to the notebook, which draws the live view, stops every rank at the
     first failure and reports hangs."""
 
-    def __init__(self, strategy, plan, mode, hang_timeout):
+    def __init__(self, strategy, plan):
         super().__init__(strategy)
         self._plan = plan
-        self._mode = mode
-        self._hang_timeout = hang_timeout
         self._key = None
 
     def launch(self, function, *args, trainer=None, **kwargs):
@@ -148,7 +146,7 @@ class _WatchedXLALauncher(_XLALauncher):
         preflight.check_runtime_not_started()
         ranks = _LightningRanks(self, function, args, trainer, kwargs)
         with _without_info_lines():  # in the ranks too: the fork copies the levels
-            results = supervisor.supervise(self._plan, ranks, self._hang_timeout, self._mode)
+            results = supervisor.supervise(self._plan, ranks)
         callbacks = trainer.callbacks if trainer is not None else []
         for callback in callbacks:
             if isinstance(callback, LiveCallback):
