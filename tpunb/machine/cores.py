@@ -13,7 +13,18 @@ from tpunb import hardware
 from tpunb.errors import TpunbError, check_count
 from tpunb.machine import platform
 
-_simulated = None  # the cores tpunb.simulate set, in this process and the ones it forks
+
+@dataclasses.dataclass(frozen=True)
+class Simulation:
+    """What ``tpunb.simulate`` set up: its arguments, which spawned children repeat."""
+
+    cores: int
+    instead_of_tpu: bool = False
+
+
+# The simulation in place, in this process and the ones it forks: the one object that holds
+# it (None: a TPU's layout, or no cores at all).
+_simulation: Simulation | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,8 +56,8 @@ class Layout:
 def available():
     """The layout of a launch on this machine: the simulated cores once ``tpunb.simulate``
     ran (on a TPU host only when asked to replace the TPU), else its TPU, else None."""
-    if _simulated is not None:
-        return Layout(cores=_simulated, processes=_simulated, tpu=None)
+    if _simulation is not None:
+        return Layout(cores=_simulation.cores, processes=_simulation.cores, tpu=None)
     tpu = hardware.detect()
     if tpu is not None:
         return Layout(cores=tpu.cores, processes=tpu.chips, tpu=tpu)
@@ -65,10 +76,15 @@ def count(cores=None):
     return layout.cores
 
 
-def set_simulated(cores):
+def set_simulation(simulation: Simulation) -> None:
     """Called by ``tpunb.simulate`` once the simulation is set up."""
-    global _simulated
-    _simulated = cores
+    global _simulation
+    _simulation = simulation
+
+
+def simulation() -> Simulation | None:
+    """The simulation in place, or None."""
+    return _simulation
 
 
 def in_rank():

@@ -40,6 +40,10 @@ COMPILE_LEVEL = 1
 _COMPILE_LEVEL_FLAG = "--xla_backend_optimization_level"
 
 
+# Where a simulated rank waits for the others at a collective: a hang report names a stack
+# that ends there "waiting in a collective" (launcher/failures.py).
+WAITS_IN = ("tpunb.simulation.host_exchange",)
+
 # The environment variable that chose a layout while the simulation had two (threads were
 # retired: a v5e-8 runs a process a core).
 LAYOUT_VARIABLE = "TPUNB_SIMULATION_LAYOUT"
@@ -101,14 +105,13 @@ def simulate(
     # Imports torch_xla: only now that the environment names the simulated device.
     upstream.check(upstream.SIMULATION, "tpunb.simulate")
 
-    from tpunb.simulation import functional_collectives, lightning, spawned
+    from tpunb.simulation import functional_collectives, lightning
     from tpunb.upstream import registry
 
-    spawned.set_simulation(count, instead_of_tpu)
     registry.install_simulation()
     functional_collectives.register_kernels()
     lightning.install()
-    core_layout.set_simulated(count)
+    core_layout.set_simulation(core_layout.Simulation(count, instead_of_tpu))
     if torchrun.launched():  # this process is one of the ranks torchrun started
         torchrun.become_rank(count)
     return env()

@@ -21,6 +21,7 @@ The token torch_xla threads through its collectives to order them is handed back
 came: the host has already ordered them.
 """
 
+import dataclasses
 import functools
 import inspect
 import sys
@@ -47,86 +48,92 @@ _COUNTERS = {
     "_xla_all_gather_out": "xla::AllGatherOut",
     "_xla_all_to_all": "xla::AllToAll",
 }
-_rank = {"exchange": None, "steps": 1, "collectives": 0}  # this rank process's
-_original = {}
-_signature = {}  # xm.all_reduce's, read once: its calls are bound to it at every step
+
+
+@dataclasses.dataclass
+class _Rank:
+    """This process as a rank: the meeting it shares its collectives through, and how many
+    steps and collectives it has made (a mismatch names them)."""
+
+    exchange: object  # host_exchange.Exchange
+    steps: int = 1
+    collectives: int = 0
+
+
+_rank: _Rank | None = None  # this process's, once it is a rank
 
 
 def start(exchange):
-    """This process is a rank, meeting the others through ``exchange``."""
-    _rank.update(exchange=exchange, steps=1, collectives=0)
+    """This process is a rank, meeting the others through ``exchange`` (None: no more)."""
+    global _rank
+    _rank = _Rank(exchange) if exchange is not None else None
 
 
 def exchange():
     """The meeting of this rank process, or None outside one."""
-    return _rank["exchange"]
+    return _rank.exchange if _rank is not None else None
 
 
 def _step_ended(caller):
     """After a sync: counts the rank's steps."""
-    _rank["steps"] += 1
+    if _rank is not None:
+        _rank.steps += 1
 
 
 def host_primitive(name, original):
     """The registry's maker: the primitive ``name`` on the host in a rank process."""
-    _original[name] = original
     implementation = _PRIMITIVES[name]
 
     @functools.wraps(original)
     def primitive(*args, **kwargs):
-        if _rank["exchange"] is None:
+        if _rank is None:
             return original(*args, **kwargs)
-        return _on_the_host(name, implementation, args, kwargs)
+        return _on_the_host(name, describe(name, args, kwargs), implementation, args, kwargs)
 
     return primitive
 
 
 # torch.compile runs the call between the graphs it compiles (torch._dynamo.disable).
 @torch._dynamo.disable
-def _on_the_host(name, implementation, args, kwargs):
+def _on_the_host(name, call, implementation, args, kwargs):
+    """Primitive ``name``'s ``implementation``, counted as torch_xla counts it, the call
+    described as ``call`` (what a mismatch names)."""
     if name in _COUNTERS:
         torch_xla._XLAC._xla_increment_counter(_COUNTERS[name], 1)
-    if _rank.get("call") is None:  # not described in xm.all_reduce's words
-        _rank["call"] = describe(name, args, kwargs)
-    try:
-        return implementation(*args, **kwargs)
-    finally:
-        _rank["call"] = None
+    return implementation(call, *args, **kwargs)
 
 
 def host_all_reduce(_, all_reduce):
-    """The registry's maker for ``xm.all_reduce``."""
-    _original["all_reduce"] = all_reduce
-    _signature["all_reduce"] = inspect.signature(all_reduce)
-    return functools.wraps(all_reduce)(_all_reduce_one_tensor_too)
+    """The registry's maker for ``xm.all_reduce``: one tensor goes to ``_xla_all_reduce``'s
+    implementation, described in xm.all_reduce's words. Under torch.compile, dynamo traces
+    xm.all_reduce itself: its ``torch.ops._c10d_functional.all_reduce`` runs between the
+    compiled graphs (functional_collectives.py)."""
+    signature = inspect.signature(all_reduce)  # read once: bound at every call
+
+    @functools.wraps(all_reduce)
+    def all_reduce_one_tensor_too(reduce_type, inputs, *args, **kwargs):
+        if _rank is None or torch.compiler.is_compiling() or not torch.is_tensor(inputs):
+            return all_reduce(reduce_type, inputs, *args, **kwargs)
+        given = signature.bind(reduce_type, inputs, *args, **kwargs)
+        given.apply_defaults()
+        scale, groups, pin = (given.arguments[k] for k in ("scale", "groups", "pin_layout"))
+        call = describe("all_reduce", (reduce_type, inputs, *args), kwargs)
+        primitive = (reduce_type, inputs, scale, groups or [], pin)
+        return _on_the_host("_xla_all_reduce", call, _PRIMITIVES["_xla_all_reduce"], primitive, {})
+
+    return all_reduce_one_tensor_too
 
 
-def _all_reduce_one_tensor_too(reduce_type, inputs, *args, **kwargs):
-    """xm.all_reduce: one tensor goes to ``_xla_all_reduce``, described in xm.all_reduce's
-    words. Under torch.compile, dynamo traces xm.all_reduce itself: its
-    ``torch.ops._c10d_functional.all_reduce`` runs between the compiled graphs
-    (functional_collectives.py)."""
-    if torch.compiler.is_compiling():
-        return _original["all_reduce"](reduce_type, inputs, *args, **kwargs)
-    if _rank["exchange"] is None or not isinstance(inputs, torch.Tensor):
-        return _original["all_reduce"](reduce_type, inputs, *args, **kwargs)
-    given = _signature["all_reduce"].bind(reduce_type, inputs, *args, **kwargs)
-    given.apply_defaults()
-    scale, groups, pin_layout = (given.arguments[k] for k in ("scale", "groups", "pin_layout"))
-    _rank["call"] = describe("all_reduce", (reduce_type, inputs, *args), kwargs)
-    return torch_xla._XLAC._xla_all_reduce(reduce_type, inputs, scale, groups or [], pin_layout)
-
-
-def _share(tensors):
-    """Steps 1 and 2: every rank's ``tensors``, as CPU tensors, in rank order."""
+def _share(call, tensors):
+    """Steps 1 and 2: every rank's ``tensors``, as CPU tensors, in rank order; ``call`` in
+    words, compared with the other ranks'."""
     device = torch_xla._XLAC._xla_get_default_device()
     # reset_scope=False: the cut is inside the user's step, maybe inside a profiler scope.
     torch_xla._XLAC._xla_step_marker(device, [], wait=False, reset_scope=False)
     host = [t.contiguous() for t in torch_xla._XLAC._xla_get_cpu_tensors(tensors)]
-    call = _rank["call"]
-    exchange = _rank["exchange"]
-    _rank["collectives"] += 1
-    number, step = _rank["collectives"], _rank["steps"]
+    exchange = _rank.exchange
+    _rank.collectives += 1
+    number, step = _rank.collectives, _rank.steps
     frame = sys._getframe(2)
     try:
         calls, data = exchange.share(f"{step}\0{call}", [_bytes(t) for t in host])
@@ -221,46 +228,49 @@ def each(inputs, shared, group, compute):
     return [compute([shared[member][i] for member in group]) for i in range(len(inputs))]
 
 
-# The primitives, by their torch_xla signatures (init_python_bindings.cpp, v2.9.0).
+# The primitives, by their torch_xla signatures (init_python_bindings.cpp, v2.9.0), each
+# after the call in words (``_on_the_host``).
 
 
-def all_reduce(reduce_type, inputs, scale, groups, pin_layout):
-    return _to_device(_all_reduced(reduce_type, [inputs], scale, groups))[0]
+def all_reduce(call, reduce_type, inputs, scale, groups, pin_layout):
+    return _to_device(_all_reduced(call, reduce_type, [inputs], scale, groups))[0]
 
 
-def all_reduce_inplace(reduce_type, inputs, scale, groups, pin_layout):
-    _write(inputs, _all_reduced(reduce_type, inputs, scale, groups))
+def all_reduce_inplace(call, reduce_type, inputs, scale, groups, pin_layout):
+    _write(inputs, _all_reduced(call, reduce_type, inputs, scale, groups))
 
 
-def _all_reduced(reduce_type, inputs, scale, groups):
+def _all_reduced(call, reduce_type, inputs, scale, groups):
     reduce = functools.partial(reduced, reduce_type, scale=scale)
-    return each(inputs, _share(inputs), group_of(groups), reduce)
+    return each(inputs, _share(call, inputs), group_of(groups), reduce)
 
 
-def _gathered(inputs, dim, groups):
-    return each(inputs, _share(inputs), group_of(groups), lambda values: torch.cat(values, dim))
+def _gathered(call, inputs, dim, groups):
+    return each(
+        inputs, _share(call, inputs), group_of(groups), lambda values: torch.cat(values, dim)
+    )
 
 
-def all_gather(input, dim, shard_count, groups, pin_layout, channel_id=None, ids=None):
-    return _to_device(_gathered([input], dim, groups))[0]
+def all_gather(call, input, dim, shard_count, groups, pin_layout, channel_id=None, ids=None):
+    return _to_device(_gathered(call, [input], dim, groups))[0]
 
 
-def all_gather_out(output, input, token, dim, shard_count, groups, pin_layout):
-    _become([output], _gathered([input], dim, groups))
+def all_gather_out(call, output, input, token, dim, shard_count, groups, pin_layout):
+    _become([output], _gathered(call, [input], dim, groups))
     return token
 
 
-def all_gather_coalesced(tensors, token, dim, shard_count, groups, pin_layout):
-    return [*_to_device(_gathered(tensors, dim, groups)), token]
+def all_gather_coalesced(call, tensors, token, dim, shard_count, groups, pin_layout):
+    return [*_to_device(_gathered(call, tensors, dim, groups)), token]
 
 
-def all_gather_coalesced_out(outputs, inputs, token, dim, shard_count, groups, pin_layout):
-    _become(outputs, _gathered(inputs, dim, groups))
+def all_gather_coalesced_out(call, outputs, inputs, token, dim, shard_count, groups, pin_layout):
+    _become(outputs, _gathered(call, inputs, dim, groups))
     return token
 
 
-def _scattered(reduce_type, inputs, scale, dim, shard_count, groups):
-    shared = _share(inputs)
+def _scattered(call, reduce_type, inputs, scale, dim, shard_count, groups):
+    shared = _share(call, inputs)
     group = group_of(groups)
     index = group.index(xr.global_ordinal())
 
@@ -272,28 +282,39 @@ def _scattered(reduce_type, inputs, scale, dim, shard_count, groups):
     return each(inputs, shared, group, shard)
 
 
-def reduce_scatter(reduce_type, input, token, scale, dim, shard_count, groups, pin_layout, *ids):
-    return _to_device(_scattered(reduce_type, [input], scale, dim, shard_count, groups))[0], token
+def reduce_scatter(
+    call, reduce_type, input, token, scale, dim, shard_count, groups, pin_layout, *ids
+):
+    return _to_device(_scattered(call, reduce_type, [input], scale, dim, shard_count, groups))[
+        0
+    ], token
 
 
-def reduce_scatter_out(reduce_type, output, input, token, scale, dim, shard_count, groups, pin):
-    _become([output], _scattered(reduce_type, [input], scale, dim, shard_count, groups))
+def reduce_scatter_out(
+    call, reduce_type, output, input, token, scale, dim, shard_count, groups, pin
+):
+    _become([output], _scattered(call, reduce_type, [input], scale, dim, shard_count, groups))
     return token
 
 
-def reduce_scatter_coalesced(reduce_type, inputs, token, scale, dim, shard_count, groups, pin):
-    return [*_to_device(_scattered(reduce_type, inputs, scale, dim, shard_count, groups)), token]
+def reduce_scatter_coalesced(
+    call, reduce_type, inputs, token, scale, dim, shard_count, groups, pin
+):
+    return [
+        *_to_device(_scattered(call, reduce_type, inputs, scale, dim, shard_count, groups)),
+        token,
+    ]
 
 
 def reduce_scatter_coalesced_out(
-    reduce_type, outputs, inputs, token, scale, dim, shard_count, groups, pin
+    call, reduce_type, outputs, inputs, token, scale, dim, shard_count, groups, pin
 ):
-    _become(outputs, _scattered(reduce_type, inputs, scale, dim, shard_count, groups))
+    _become(outputs, _scattered(call, reduce_type, inputs, scale, dim, shard_count, groups))
     return token
 
 
-def all_to_all(input, token, split_dim, concat_dim, split_count, groups, pin_layout):
-    shared = _share([input])
+def all_to_all(call, input, token, split_dim, concat_dim, split_count, groups, pin_layout):
+    shared = _share(call, [input])
     group = group_of(groups)
     index = group.index(xr.global_ordinal())
     size = input.shape[split_dim] // split_count
@@ -301,8 +322,8 @@ def all_to_all(input, token, split_dim, concat_dim, split_count, groups, pin_lay
     return _to_device([torch.cat(pieces, concat_dim)])[0], token
 
 
-def collective_permute(input, token, pairs):
-    shared = _share([input])
+def collective_permute(call, input, token, pairs):
+    shared = _share(call, [input])
     rank = xr.global_ordinal()
     sources = [source for source, target in pairs if target == rank]
     result = shared[sources[0]][0].clone() if sources else torch.zeros_like(shared[rank][0])

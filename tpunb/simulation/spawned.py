@@ -8,14 +8,10 @@ get_command_line``) first simulates the same cores in it, then runs multiprocess
 own start-up. Its children get the simulation the same way.
 """
 
+import dataclasses
 import functools
 
-_simulation: dict[str, object] = {}  # simulate's arguments, as the last call gave them
-
-
-def set_simulation(cores, instead_of_tpu):
-    """Each ``simulate`` call sets the simulation spawned children start with."""
-    _simulation.update(cores=cores, instead_of_tpu=instead_of_tpu)
+from tpunb.machine import cores
 
 
 def command_line_simulating(_, command_line):
@@ -27,7 +23,8 @@ def command_line_simulating(_, command_line):
         if "-c" not in command:  # a frozen executable: it runs no code we could add to
             return command
         program = command.index("-c") + 1
-        arguments = ", ".join(f"{name}={value!r}" for name, value in _simulation.items())
+        simulated = dataclasses.asdict(cores.simulation())
+        arguments = ", ".join(f"{name}={value!r}" for name, value in simulated.items())
         command[program] = (
             f"import tpunb; tpunb.simulation.simulate({arguments}); {command[program]}"
         )

@@ -22,7 +22,6 @@ from tpunb.errors import TpunbError
 from tpunb.upstream import registry
 
 _WAIT = 120  # seconds a rank waits for local rank 0 to open the meeting
-_rank = {"error": None}
 
 
 def launched():
@@ -54,8 +53,9 @@ def become_rank(cores):
         os.replace(path + ".new", path)
     exchange = rank_processes.become_rank(local_rank, local_world, _address(path))
     exchange.join()
-    registry.install("torchrun_error_kept")
-    atexit.register(_end, exchange, meeting, path)
+    error = {}  # the exception that ends the rank's program, if one does
+    registry.install("torchrun_error_kept", error)
+    atexit.register(_end, exchange, meeting, path, error)
 
 
 def _address(path):
@@ -71,20 +71,21 @@ def _address(path):
         return named.read()
 
 
-def excepthook_keeping_error(_, excepthook):
-    """The registry's maker for ``sys.excepthook``: the rank's error kept for its end."""
+def excepthook_keeping_error(_, excepthook, kept):
+    """The registry's maker for ``sys.excepthook``: the rank's error kept in ``kept`` for
+    its end."""
 
     def keeping_the_error(kind, error, traceback):
-        _rank["error"] = error
+        kept["error"] = error
         excepthook(kind, error, traceback)
 
     return keeping_the_error
 
 
-def _end(exchange, meeting, path):
+def _end(exchange, meeting, path, error):
     from tpunb.simulation import host_collectives
 
-    exchange.end(_rank["error"])
+    exchange.end(error.get("error"))
     host_collectives.start(None)
     exchange.close()
     if meeting is None:

@@ -33,6 +33,7 @@ message); the runtime's device attributes and memory statistics; libtpu (never l
 import functools
 import os
 
+from tpunb.machine import cores
 from tpunb.upstream import registry
 
 _RUNTIME_DEVICE = "CPU"
@@ -44,7 +45,6 @@ _RUNTIME_DEVICE = "CPU"
 # they change how a TPU computes a collective matmul, not what it computes.
 _TPU_RUNTIME_ONLY = ("ENABLE_COLLECTIVE_MATMUL_IN_MP",)
 _putenv = os.putenv
-_cores = None  # the simulated chips
 
 
 def environment(cores):
@@ -65,8 +65,6 @@ def environment(cores):
 def set_environment(cores):
     """Sets ``os.environ`` as ``environment`` says and the runtime's copy to the CPU's.
     Before torch_xla is imported: it selects a device at import if none is set."""
-    global _cores
-    _cores = cores
     registry.install("runtime_on_cpu")
     os.environ.update(environment(cores))
     runtime_reads_cpu()
@@ -108,7 +106,7 @@ def simulated_chips(_, num_available_chips):
     @functools.wraps(num_available_chips)
     def simulated():
         """The TPU chips attached through PCI: the simulated ones."""
-        return _cores
+        return cores.simulation().cores
 
     return simulated
 
