@@ -6,6 +6,7 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 
 import tpunb
 from tpunb import upstream
@@ -48,24 +49,81 @@ def test_every_private_name_the_code_uses_is_on_the_list():
     assert sorted(_used() - _listed()) == []
 
 
+def test_every_private_name_read_through_getattr_is_on_the_list():
+    # getattr(obj, "_name", default) reads an upstream object's private attribute too,
+    # where a rename would silently give the default.
+    own = {"__tpunb_patch__", "_rank", "_extraction"}  # tpunb's own attributes
+    read = set()
+    for path in SOURCE.rglob("*.py"):
+        calls = r"getattr\((?:[^,()]|\([^()]*\))+, \"(_[a-z]\w*)\""
+        read |= set(re.findall(calls, path.read_text()))
+    listed = {name for _, name in _listed()}
+    assert len(read) >= 4
+    assert sorted(read - own - listed) == []
+
+
 def test_the_installed_pair_has_every_name_on_the_list():
     assert [upstream.missing(names) for names in EVERY_LIST] == [[], [], []]
 
 
-def _never_run(rank):
-    raise AssertionError("no rank may start")
+def test_every_replaced_torch_xla_callable_has_the_parameters_the_table_says():
+    from tpunb.upstream import registry
+
+    replaced = {
+        f"{owner}.{name}"
+        for patch in registry.PATCHES
+        if patch.make is not None
+        for owner in patch.owners
+        if owner.startswith("torch_xla")
+        for name in patch.attributes()
+    }
+    assert replaced == set(upstream.SIGNATURES)
+    assert upstream.changed((registry.LAUNCH, registry.SIMULATION)) == []
 
 
-def test_a_launch_without_a_name_it_needs_is_refused_before_any_fork(cores8, monkeypatch):
+def _steps(rank):
     import torch_xla
 
-    # A torch_xla that renamed one (it is spelled "placecholder" in 2.8 and 2.9).
+    total = torch.zeros(2, device=torch_xla.device())
+    for _ in range(3):
+        total = total + 1
+        torch_xla.sync()
+    return total.tolist()
+
+
+def test_a_torch_xla_that_lacks_a_name_still_launches_without_the_watchers(cores8, monkeypatch):
+    # A torch_xla that renamed one (it is spelled "placecholder" in 2.8 and 2.9), or changed
+    # what a patch replaces: the launch runs, says so, and leaves out what needs them.
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+
     monkeypatch.delattr(torch_xla._XLAC, "_is_placecholder")
-    with pytest.raises(tpunb.TpunbError) as refused:
-        tpunb.launch(_never_run)
-    message = str(refused.value)
+    original = xm.add_step_closure
+
+    def add_step_closure(closure, args=(), run_async=False, priority=0):  # a new parameter
+        return original(closure, args, run_async)
+
+    monkeypatch.setattr(xm, "add_step_closure", add_step_closure)
+    with pytest.warns(tpunb.TpunbWarning) as warned:
+        results = tpunb.launch(_steps, live=False)
+    [message] = [str(w.message) for w in warned]
     assert "torch_xla._XLAC._is_placecholder" in message
-    assert "tpunb supports torch_xla 2.8 and 2.9" in message
+    assert "torch_xla.core.xla_model.add_step_closure(closure, args, run_async, priority)" in (
+        message
+    )
+    assert "(checked against 2.8 and 2.9)" not in message
+    assert "checked against (2.8 and 2.9)" in message and "The launch runs" in message
+    assert list(results) == [[3.0, 3.0]] * 8
+    assert results.compiles.compiles == 0  # the compile watch left out
+    assert all(len(steps) == 3 for steps in results.history.steps.values())  # steps kept
+
+
+def test_simulate_with_a_changed_callable_is_refused_naming_it(monkeypatch):
+    import torch_xla._internal.pjrt as pjrt
+
+    monkeypatch.setattr(pjrt, "_run_thread_per_device", lambda local_rank, fn: None)
+    with pytest.raises(tpunb.TpunbError, match=r"_run_thread_per_device\(local_rank, fn\)"):
+        tpunb.simulate(cores=8)
 
 
 def test_a_patch_is_made_once_stacks_on_another_and_keeps_the_upstream_function():

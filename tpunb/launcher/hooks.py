@@ -78,14 +78,17 @@ def excused(name, helper):
 
 
 @contextlib.contextmanager
-def installed():
-    """For the duration: every sync ends a step, every batch the loader hands out is
-    recorded, and what torch_xla's helpers read after a sync is excused (neither a cut nor
-    a step's compilation); what each watcher adds: ``reads_recorded``,
-    ``collectives_recorded``."""
+def installed(checked=True):
+    """For the duration: every sync ends a step and, where torch_xla is as tpunb was
+    checked against (``checked``), every batch the loader hands out is recorded and what
+    torch_xla's helpers read after a sync is excused (neither a cut nor a step's
+    compilation); what each watcher adds: ``reads_recorded``, ``collectives_recorded``."""
     syncs = registry.add_step_hooks(before=_before_sync, after=_after_sync)
     try:
-        with registry.during("launch_batches"), registry.during("launch_excused_reads"):
+        with contextlib.ExitStack() as patched:
+            if checked:
+                patched.enter_context(registry.during("launch_batches"))
+                patched.enter_context(registry.during("launch_excused_reads"))
             yield
     finally:
         step_hooks.remove(syncs)

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from tpunb import upstream
 from tpunb.errors import TpunbError, warn
 from tpunb.machine import cores, platform
-from tpunb.upstream import versions
+from tpunb.upstream import registry, versions
 from tpunb.watch import live
 
 if TYPE_CHECKING:
@@ -35,6 +35,9 @@ class Plan:
     hang_timeout: float | None = 600  # seconds without a finished step (None: forever)
     view: str = "off"  # the live view's mode (live.resolve)
     unwatched: frozenset = frozenset()  # watchers left out, of WATCHERS
+    # Whether torch_xla is as tpunb was checked against, so that the launch may patch its
+    # loader and helpers (upstream/__init__.py); False: steps and results only.
+    checked: bool = True
 
     def __post_init__(self) -> None:
         unknown = set(self.unwatched) - set(WATCHERS)
@@ -88,9 +91,19 @@ def plan(requested=None):
             "On Colab or Kaggle, pick a TPU runtime/accelerator first."
         )
     # Imports torch_xla: once a TPU or a simulation has set its device (PJRT_DEVICE).
-    upstream.check(upstream.LAUNCH, "tpunb's launch")
+    unchecked = upstream.problems(upstream.LAUNCH, (registry.LAUNCH,))
+    if unchecked:
+        warn(
+            f"torch_xla {versions.installed('torch_xla')} differs from the releases tpunb is "
+            f"checked against ({' and '.join(versions.SUPPORTED_TORCH_XLA)}): "
+            f"{', '.join(unchecked)}. The launch runs, its results and failures reported, "
+            "without tpunb's watch of compilations, reads, collectives and device memory "
+            "(the live view shows the logged values)."
+        )
+    unwatched = frozenset(WATCHERS) if unchecked else frozenset()
+    checked = not unchecked
     if requested == 1 and not isinstance(requested, bool):
-        return Plan(cores=1, simulated=layout.simulated)
+        return Plan(1, layout.simulated, unwatched=unwatched, checked=checked)
     if requested is None or requested == layout.cores:
         if layout.ranks_per_process > 1:
             raise TpunbError(
@@ -99,7 +112,7 @@ def plan(requested=None):
                 "Kaggle offer today does (v5e, v6e). Launch one core to debug "
                 "(tpunb.launch(fn, cores=1)), or call torch_xla's xmp.spawn directly."
             )
-        return Plan(layout.cores, layout.simulated)
+        return Plan(layout.cores, layout.simulated, unwatched=unwatched, checked=checked)
     where = (
         "simulated cores" if layout.simulated else f"cores on this {layout.tpu.accelerator_type}"
     )

@@ -87,7 +87,7 @@ def supervise(
         watching = watchers.of_launch(job, launch_history)
         with (
             platform.spawn_variables_removed(),
-            hooks.installed(),
+            hooks.installed(plan.checked),
             contextlib.ExitStack() as in_ranks,
             stacks as stacks,
             warnings.catch_warnings(),

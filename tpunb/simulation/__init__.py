@@ -28,7 +28,7 @@ from tpunb.errors import TpunbError, check_count, warn
 from tpunb.machine import cores as core_layout
 from tpunb.machine import platform
 from tpunb.simulation import torchrun, tpu_answers
-from tpunb.upstream import versions
+from tpunb.upstream import registry, versions
 
 if TYPE_CHECKING:
     from tpunb.environment import Environment
@@ -103,10 +103,10 @@ def simulate(
     os.environ.setdefault("TPU_PROCESS_ADDRESSES", "local")
     os.environ.setdefault("CLOUD_TPU_TASK_ID", "0")
     # Imports torch_xla: only now that the environment names the simulated device.
-    upstream.check(upstream.SIMULATION, "tpunb.simulate")
+    scopes = (registry.SIMULATION, registry.LAUNCH)
+    upstream.check(upstream.SIMULATION, "tpunb.simulate", scopes)
 
     from tpunb.simulation import functional_collectives, lightning
-    from tpunb.upstream import registry
 
     registry.install_simulation()
     functional_collectives.register_kernels()

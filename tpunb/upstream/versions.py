@@ -10,9 +10,13 @@ import importlib.util
 # keeps them so, and the tag equal to tpunb.__version__.
 INSTALL_FROM = "git+https://github.com/tpunb/tpunb@v0.2.0"
 
-# The simulation's collective fix touches private torch_xla names that these versions have
-# (Kaggle's image ships 2.8, Colab's 2.9).
-SUPPORTED_TORCH_XLA = ("2.8", "2.9")
+# What tpunb is checked against: torch_xla's last two releases (its repository is archived,
+# so this surface is frozen), each with the torch it is built for (Kaggle's image ships
+# 2.8, Colab's 2.9), and the Lightning releases tpunb.lightning runs (2.6 in CI). The private
+# names and signatures they share: upstream/__init__.py.
+SUPPORTED = {"2.8": {"torch": "2.8"}, "2.9": {"torch": "2.9"}}  # torch_xla -> its pair
+SUPPORTED_TORCH_XLA = tuple(SUPPORTED)
+SUPPORTED_LIGHTNING = ("2.2", "2.6")  # from, through (minor versions)
 
 
 def requirement(extras=""):
