@@ -311,3 +311,12 @@ def test_every_patch_the_code_names_is_in_the_registry():
     assert sorted(name for name in named if name[1] not in registry.NAMES) == []
     with pytest.raises(ValueError, match="an identifier"):
         registry.Patch("os", ("fork",), "forks one at a time", None, registry.LAUNCH)
+
+
+def test_the_lightning_range_is_checked_by_minor_version():
+    from tpunb.upstream import versions
+
+    supported = ["2.2.0", "2.6.6", "2.6.0rc1+local"]
+    outside = ["2.1.3", "2.7.0", "3.0.0"]
+    assert [versions.lightning_supported(v) for v in supported] == [True] * 3
+    assert [versions.lightning_supported(v) for v in outside] == [False] * 3

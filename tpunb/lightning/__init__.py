@@ -25,8 +25,9 @@ import multiprocessing
 from typing import TYPE_CHECKING
 
 from tpunb import upstream
-from tpunb.errors import TpunbError
+from tpunb.errors import TpunbError, warn
 from tpunb.launcher import launchers, preflight, rank, supervisor
+from tpunb.upstream import versions
 from tpunb.wording import migration
 
 if importlib.util.find_spec("lightning") is None:
@@ -82,6 +83,14 @@ def trainer(
     if outdated:
         raise TpunbError(outdated)
     upstream.check(upstream.LIGHTNING, "tpunb.lightning")
+    version = versions.installed("lightning")
+    if version is not None and not versions.lightning_supported(version):
+        low, high = versions.SUPPORTED_LIGHTNING
+        warn(
+            f"lightning {version} is outside the releases tpunb.lightning is checked against "
+            f"({low} to {high}); the private names it uses are there, but what Lightning "
+            "does with them may differ."
+        )
     plan = preflight.checked(hang_timeout=hang_timeout, view=live)
     trainer_arguments.setdefault("accelerator", "tpu")
     trainer_arguments.setdefault("devices", "auto")

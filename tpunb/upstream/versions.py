@@ -19,6 +19,12 @@ SUPPORTED_TORCH_XLA = tuple(SUPPORTED)
 SUPPORTED_LIGHTNING = ("2.2", "2.6")  # from, through (minor versions)
 
 
+def lightning_supported(version):
+    """Whether Lightning ``version`` is in ``SUPPORTED_LIGHTNING``."""
+    low, high = (tuple(map(int, v.split("."))) for v in SUPPORTED_LIGHTNING)
+    return low <= tuple(map(int, minor(version).split("."))) <= high
+
+
 def requirement(extras=""):
     """What to give pip for tpunb, e.g. ``requirement("sim")``."""
     return f"tpunb[{extras}] @ {INSTALL_FROM}" if extras else f"tpunb @ {INSTALL_FROM}"
