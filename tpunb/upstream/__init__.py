@@ -10,6 +10,7 @@ Nothing here is imported at ``import tpunb``: ``missing`` imports the modules it
 
 from __future__ import annotations
 
+import functools
 import inspect
 import re
 
@@ -193,6 +194,7 @@ def missing(names):
     return absent
 
 
+@functools.cache  # an installed class's source does not change while Python runs
 def _sets(owner, attribute):
     """Whether the class ``owner`` (or one it inherits from) sets ``attribute`` on its
     instances in its own code (``self.<attribute> =``)."""
