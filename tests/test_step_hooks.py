@@ -94,10 +94,12 @@ def test_a_launch_whose_sync_is_another_body_ends_every_step_without_a_false_han
             for _ in range(20):
                 total = total + 1
                 torch_xla.sync()
-                time.sleep(0.2)  # 4 s of steps, twice the hang_timeout
+                time.sleep(0.4)  # 8 s of steps, longer than the hang_timeout
             return total.tolist()
 
-        results = tpunb.launch(train, hang_timeout=2, live=False)
+        # 6 s: a rank's start (its runtime, the first compilation) takes far less, even on a
+        # busy machine; a sync the hooks missed would be stopped as a hang.
+        results = tpunb.launch(train, hang_timeout=6, live=False)
         print(list(results), [len(steps) for steps in results.history.steps.values()])
         """,
         timeout=300,

@@ -1,6 +1,6 @@
-"""``limit_graphs(step, max_graphs)``: a step function that fails fast, with the shapes
-that caused it, once it would need more than ``max_graphs`` compiled graphs, instead of
-compiling one graph after another for minutes."""
+"""``limit_graphs(step, max_graphs)``: a step function that fails fast, with torch_xla's
+message and the fix, once it would need more than ``max_graphs`` compiled graphs, instead
+of compiling one graph after another for minutes."""
 
 from __future__ import annotations
 
