@@ -9,7 +9,6 @@ import torch
 
 import tpunb
 from tpunb.errors import CollectiveMismatch
-from tpunb.simulation import calls
 
 CORES = 8
 
@@ -103,9 +102,9 @@ def test_manual_seed_in_every_rank_gives_every_core_the_same_weights(cores8):
         assert all(torch.equal(w, r) for w, r in zip(weights, reference, strict=True))
 
 
-# Ranks that take different paths to their collectives, as on a TPU: each is named by the
-# launch's ledger of collective calls (tpunb/launcher/ledger.py), with its line, whether the
-# simulation's own check stops the ranks at once or lets them wait as a TPU's would.
+# Ranks that take different paths to their collectives, as on a TPU: the simulated ranks
+# wait as a TPU's would, and the one judge of the ranks' calls (tpunb/watch/collective_calls.py)
+# names each, with its line: the launch's, or with no launch around them the simulation's.
 
 
 def _collective_under_if(rank):
@@ -216,14 +215,10 @@ def _assert_named(caught, position, lines):
     assert "Every rank must make the same collective calls in the same order." in message
 
 
-@pytest.mark.parametrize("waits", [False, True], ids=["check on", "check off"])
 @pytest.mark.parametrize("divergence", DIVERGENCES)
 def test_ranks_that_take_different_paths_are_named_with_their_lines_at_once(
-    cores8, monkeypatch, no_children_left, divergence, waits
+    cores8, no_children_left, divergence
 ):
-    """With the simulation's own check off, a rank waits at a collective that can never
-    complete as on a TPU, and only the launch's ledger can name the divergence."""
-    monkeypatch.setattr(calls, "STOP_UNMATCHED", not waits)
     function, position, lines = DIVERGENCES[divergence]
     with warnings.catch_warnings(), pytest.raises(tpunb.RankError) as caught:
         warnings.simplefilter("ignore", tpunb.TpunbWarning)  # the paths parting: below
@@ -231,15 +226,19 @@ def test_ranks_that_take_different_paths_are_named_with_their_lines_at_once(
     _assert_named(caught, position, lines)
 
 
-@pytest.mark.parametrize("divergence", ["collective under an if", "rendezvous on one rank"])
-def test_ranks_waiting_as_on_a_tpu_in_their_own_processes_are_named_too(
-    cores8, monkeypatch, no_children_left, divergence
+@pytest.mark.parametrize(
+    "divergence", ["collective under an if", "rendezvous on one rank", "uneven batches"]
+)
+def test_a_plain_xmp_spawn_whose_ranks_take_different_paths_raises_the_same_report(
+    cores8, no_children_left, divergence
 ):
-    monkeypatch.setattr(calls, "STOP_UNMATCHED", False)
+    # No launch around the ranks: the simulation's meeting judges their calls, with the
+    # same judge, and the waiting ranks raise its verdict through xmp.spawn.
+    import torch_xla.distributed.xla_multiprocessing as xmp
+
     function, position, lines = DIVERGENCES[divergence]
-    with warnings.catch_warnings(), pytest.raises(tpunb.RankError) as caught:
-        warnings.simplefilter("ignore", tpunb.TpunbWarning)
-        tpunb.launch(function, live=False)
+    with pytest.raises(CollectiveMismatch) as caught:
+        xmp.spawn(function, start_method="fork")
     _assert_named(caught, position, lines)
 
 

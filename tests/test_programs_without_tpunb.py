@@ -60,6 +60,14 @@ def test_a_script_torchrun_starts_runs_unchanged_a_process_a_core():
     # Started for another count of cores, a rank says so before anything runs.
     result = _run([*torchrun, "-m", "tpunb.simulate", "--cores", "8", script])
     assert "torchrun started 2 processes on this host (2 in all) for 8 simulated" in result.stderr
+    # Ranks that take different paths wait, as on a TPU, until the simulation's judge of
+    # their calls names them, with their lines (no launch is there to).
+    result = _run([*torchrun, "-m", "tpunb.simulate", "--cores", "2", script, "--diverge"])
+    assert result.returncode == 1
+    assert "at their collective call number 2 they made different calls" in result.stderr
+    assert "rank 1: made none: returned after 1 collective call" in result.stderr
+    assert "Their paths parted earlier, at call number 1" in result.stderr
+    assert "torchrun_script.py, line 18 (through torch_xla's allreduce)" in result.stderr
 
 
 def test_the_command_line_says_what_is_wrong_before_running_anything(tmp_path):

@@ -131,7 +131,7 @@ class _Looking(_Records):
         self.seen = (
             rank.registered(key).plan.unwatched,
             "launch_reads" in patching.patches(torch.Tensor.item),
-            "launch_ledger" in patching.patches(xm.all_reduce),
+            "collective_ledger" in patching.patches(xm.all_reduce),
         )
         super().start(key)
 

@@ -56,8 +56,9 @@ class RankEnded(TpunbError):
 
 
 class CollectiveMismatch(TpunbError):
-    """On simulated cores: ranks called different collectives at the same point, so they
-    can never meet (the launch's ledger of collective calls names it on a TPU too)."""
+    """On simulated cores with no launch around them: the ranks took different paths to
+    their collectives, so they can never meet (a launch names it on a TPU too); the message
+    names each rank's call and line (watch/collective_calls.py)."""
 
 
 class TpunbWarning(UserWarning):

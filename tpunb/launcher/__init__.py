@@ -22,7 +22,6 @@ The machinery, one file a responsibility, in the order a launch meets it:
     channel.py      the typed records a rank sends the notebook (Steps, Raised,
                     Returned) and the pipe that carries them, by value
     heartbeat.py    per-rank progress in shared memory, stacks on demand, the watchdog
-    ledger.py       each rank's collective calls in shared memory: ranks that diverged
     failures.py     what a failure is reported as, with its likely cause
     processes.py    the launch's processes: recorded, found, killed
 

@@ -9,6 +9,7 @@ from tpunb import simulation
 from tpunb.errors import RankError
 from tpunb.watch import device_memory
 from tpunb.wording import migration
+from tpunb.wording.reports import ranks_named, span
 
 # Errors whose message alone does not say what to do.
 _KNOWN_CAUSES = [
@@ -83,7 +84,7 @@ def raised_error(failures, memory=None):
         cause = device_memory.out_of_memory(first, (memory or {}).get(first))
         message += f"\n\nLikely cause: {cause}"
     if others:
-        message += f"\n({'rank' if len(others) == 1 else 'ranks'} {span(others)} failed too)"
+        message += f"\n({ranks_named(others)} failed too)"
     if failure.traceback:
         message += f"\n\nTraceback from rank {first}:\n{failure.traceback.rstrip()}"
     return RankError(message, ranks=failing, remote_traceback=failure.traceback)
@@ -103,7 +104,7 @@ def lost_error(missing, exits, rank_pids, simulated, launcher_error):
         stopped = []
     for pid, code in failed:
         ranks = sorted(r for r, p in rank_pids.items() if p == pid)
-        named = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {span(ranks)}"
+        named = ranks_named(ranks)
         who = f"the process of {named}" if ranks else "a launch process"
         if code < 0:
             signals.append(signal.Signals(-code).name)
@@ -132,12 +133,12 @@ def lost_error(missing, exits, rank_pids, simulated, launcher_error):
 
 def hang_error(hang, collectives=None):
     """Groups the running ranks by step and by where they wait; ``collectives``: which
-    ranks made more collective calls than others, in words (``ledger.Watch.behind``)."""
+    ranks made more collective calls than others, in words (``collective_calls.Judge.behind``)."""
     groups = {}
     for rank in hang.running:
         groups.setdefault((hang.steps[rank], _where(hang.stacks.get(rank))), []).append(rank)
     lines = [
-        f"  {'rank' if len(ranks) == 1 else 'ranks'} {span(ranks)}: after step {step}, {where}"
+        f"  {ranks_named(ranks)}: after step {step}, {where}"
         for (step, where), ranks in sorted(groups.items(), key=lambda item: item[1][0])
     ]
     message = (
@@ -177,15 +178,3 @@ def _where(stack):
 # imported: it imports torch_xla; a rename fails here, at import, instead of silently in a
 # hang report).
 _COLLECTIVES = [importlib.util.find_spec(name).origin for name in simulation.WAITS_IN]
-
-
-def span(ranks):
-    """ "0-7", "1, 3", "0-2, 4-7": runs of three or more ranks as a range."""
-    ranks, parts = sorted(ranks), []
-    start = 0
-    for end in range(1, len(ranks) + 1):
-        if end == len(ranks) or ranks[end] != ranks[end - 1] + 1:
-            run = ranks[start:end]
-            parts += [f"{run[0]}-{run[-1]}"] if len(run) > 2 else map(str, run)
-            start = end
-    return ", ".join(parts)

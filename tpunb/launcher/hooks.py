@@ -9,14 +9,15 @@ only after a sync (``xm.add_step_closure``'s closures, ``xm.rendezvous`` and
 ``xm.mesh_reduce`` through ``xm.xla_rendezvous``) have the CPU fallbacks they make
 excused: they cut no graph. Reads of device values that cut the step or wait for the
 device are recorded with their line (``reads.py``), and so are collective calls
-(``ledger.py``). The fork hands the hooks to the
+(``watch/collective_calls.py``). The fork hands the hooks to the
 ranks; the parent's own behaviour is unchanged (no rank runs in it) and restored
 afterwards."""
 
 import contextlib
 
-from tpunb.launcher import heartbeat, ledger, process_counters, reads, recorder
+from tpunb.launcher import heartbeat, process_counters, reads, recorder
 from tpunb.upstream import registry, step_hooks
+from tpunb.watch import collective_calls
 
 # Its extract_graph_helper and extract_compiled_graph_helper call torch_xla.sync() to
 # materialize the compiled graph's inputs.
@@ -103,4 +104,4 @@ def reads_recorded():
 def collectives_recorded():
     """For the duration: each collective call is recorded in the ledger (the "collectives"
     watcher's)."""
-    return ledger.recorded(_on_collective)
+    return collective_calls.recorded(_on_collective)

@@ -14,8 +14,9 @@ import time
 from typing import TYPE_CHECKING
 
 from tpunb.errors import CollectiveMismatch, RankEnded
-from tpunb.launcher import channel, failures, heartbeat, ledger, recorder
+from tpunb.launcher import channel, failures, heartbeat, recorder
 from tpunb.launcher.channel import Raised, Returned
+from tpunb.watch import collective_calls
 from tpunb.wording import program_lines
 
 if TYPE_CHECKING:
@@ -38,7 +39,7 @@ class Job:
     plan: Plan  # the cores, and the watchers left out
     channel: channel.Channel
     heartbeat: heartbeat.Heartbeat
-    ledger: ledger.Ledger  # each rank's collective calls
+    ledger: collective_calls.Ledger  # each rank's collective calls
     start: float = dataclasses.field(default_factory=time.monotonic)
 
 
@@ -91,8 +92,8 @@ def run(key: int, rank: int, work: Callable[[int], Any] | None = None) -> None:
                 frames = frames.tb_next
             remote = program_lines.formatted_traceback(error, frames)
             recording.flush_finished_steps()  # the history up to the error, for the plots
-            # Stopped by another rank's end, or by calls that differ: the simulation's checks;
-            # the launch's own ledger names the cause (ledger.py).
+            # Stopped, on simulated cores, by the end of a rank it waited for, or by the
+            # simulation's verdict on the ranks' calls: the launch reports the cause.
             stopped = isinstance(error, (RankEnded, CollectiveMismatch))
             job.channel.send(Raised(rank, failures.describe(error), "".join(remote), stopped))
             return

@@ -28,9 +28,9 @@ class Recorder:
         self, rank, channel, start, compiles=True, ledger=None, memory=True, split_syncs=True
     ):
         """``compiles``: whether it counts its process's compilations and fallbacks;
-        ``ledger``: where the rank's collective calls go (``ledger.py``), if it has peers;
-        ``memory``: whether it reads its device's memory; ``split_syncs``: whether it looks
-        for syncs that split a step (its watchers, ``watchers.py``)."""
+        ``ledger``: where the rank's collective calls go (``collective_calls.Ledger``), if it
+        has peers; ``memory``: whether it reads its device's memory; ``split_syncs``: whether
+        it looks for syncs that split a step (its watchers, ``watchers.py``)."""
         self.rank = rank
         self.channel = channel
         self.start = start
@@ -66,7 +66,7 @@ class Recorder:
             self._reads[key] = self._reads.get(key, 0) + 1
 
     def collective(self, name, args, kwargs, frame):
-        """A collective call about to run (``ledger.recorded``), made from ``frame``."""
+        """A collective call about to run (``collective_calls.recorded``), made from ``frame``."""
         if self._ledger is not None:
             if self._epoch_batch is None:  # no training loader's batch yet: the syncs
                 when = f"step {self.step + 1}"

@@ -20,14 +20,13 @@ from tpunb.launcher import (
     failures,
     heartbeat,
     hooks,
-    ledger,
     processes,
     rank,
     watchers,
 )
 from tpunb.launcher.channel import Ended, Raised, Returned, Steps
 from tpunb.machine import platform
-from tpunb.watch import compile_watch, history, live
+from tpunb.watch import collective_calls, compile_watch, history, live
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable
@@ -39,9 +38,6 @@ if TYPE_CHECKING:
     from tpunb.watch.history import History
 
 HANG_CHECK_SECONDS = 0.1
-# Ranks that the simulation's checks stopped (RankEnded, CollectiveMismatch) did not fail:
-# the other ranks get this long to return, so that the launch's ledger sees what they did.
-SETTLE_SECONDS = 1.0
 # Python 3.12+ warns at every fork of a process with threads (a notebook kernel always has
 # some); xmp.spawn must fork from a notebook (README, "Notebook rules"), so a launch does
 # not repeat the warning in every cell.
@@ -77,7 +73,7 @@ def supervise(
         plan,
         channel.Channel(),
         heartbeat.Heartbeat(plan.cores),
-        ledger.Ledger(plan.cores),
+        collective_calls.Ledger(plan.cores),
     )
     key = rank.register(job)
     try:
@@ -112,7 +108,6 @@ class _Supervisor:
         self.launcher = launcher
         self.watchdog = watchdog
         self.divergence = None
-        self._stopped_since = None  # when a simulated rank was first stopped by a check
         self.processes = []  # the launch's multiprocessing.Process objects: exit codes
         self.results = {}  # rank -> pickled result
         self.failures = {}  # rank -> Raised
@@ -233,10 +228,11 @@ class _Supervisor:
             return False
         if any(not failure.consequence for failure in self.failures.values()):
             return True
-        self._stopped_since = self._stopped_since or time.monotonic()
+        # Only ranks stopped by another's end (simulated cores): the cause is that rank's,
+        # known once every rank has ended (its error, its exit, or calls the judge names).
         beat = self.job.heartbeat
-        settled = all(beat.returned(rank) for rank in range(self.plan.cores))
-        return settled or time.monotonic() - self._stopped_since > SETTLE_SECONDS
+        exited = {process.pid for process in self.processes if process.exitcode is not None}
+        return all(beat.returned(r) or beat.pid(r) in exited for r in range(self.plan.cores))
 
     def _diverged(self):
         """Whether the ranks took different paths to their collectives, and no rank's own
@@ -260,7 +256,7 @@ class _Supervisor:
         # Errors are built in the raise: one kept in self or in a local would sit in a
         # cycle with its traceback's frames, holding the processes' pipes until a gc.
         if self._diverged():
-            raise ledger.divergence_error(self.divergence)
+            raise collective_calls.divergence_error(self.divergence)
         if self.hang is not None:
             behind = self.calls.calls.behind(self.hang.running) if self.calls else None
             raise failures.hang_error(self.hang, behind)

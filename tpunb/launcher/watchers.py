@@ -17,9 +17,9 @@ from __future__ import annotations
 import contextlib
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from tpunb.launcher import hooks, ledger
+from tpunb.launcher import hooks
 from tpunb.launcher.preflight import WATCHERS
-from tpunb.watch import compile_watch, device_memory
+from tpunb.watch import collective_calls, compile_watch, device_memory
 
 if TYPE_CHECKING:
     from tpunb.launcher.rank import Job
@@ -89,8 +89,8 @@ class Collectives(Watcher):
     name = "collectives"
 
     def __init__(self, job: Job) -> None:
-        self.calls = ledger.Watch(job.ledger)
-        self.divergence: ledger.Divergence | None = None
+        self.calls = collective_calls.Judge(job.ledger)
+        self.divergence: collective_calls.Divergence | None = None
 
     def in_ranks(self) -> contextlib.AbstractContextManager[Any]:
         return hooks.collectives_recorded()

@@ -11,8 +11,9 @@ of one tensor reaches ``torch.ops._c10d_functional.all_reduce`` and is sent to
 1. runs what the rank has traced so far (a cut: a step becomes two graphs, where a TPU runs
    one), so the inputs are data
    on the device, and reads them to the host in one transfer;
-2. shares them with every rank (host_exchange.py), with the call's description: ranks whose
-   calls differ raise ``CollectiveMismatch`` together;
+2. shares them with every rank (host_exchange.py), with the call's identity
+   (watch/collective_calls.py): ranks whose calls differ wait, as on a TPU, for the verdict
+   of the judge of the ranks' calls;
 3. computes its result as XLA defines the collective (reduction, groups, scale, shards) from
    the ranks' inputs in rank order, so every rank computes the same bits;
 4. puts the result on the device: a new tensor, or the outputs written in place.
@@ -21,6 +22,7 @@ The token torch_xla threads through its collectives to order them is handed back
 came: the host has already ordered them.
 """
 
+import contextlib
 import dataclasses
 import functools
 import inspect
@@ -32,8 +34,9 @@ import torch_xla.core.xla_model as xm
 import torch_xla.runtime as xr
 
 from tpunb.errors import RankEnded
-from tpunb.simulation.calls import Caller, mismatch, never_completes, unmatched
-from tpunb.watch.collective_calls import describe
+from tpunb.upstream import registry
+from tpunb.watch import collective_calls
+from tpunb.watch.collective_calls import identity
 
 # The counters torch_xla's C++ primitives count as they trace (each binding's
 # TORCH_LAZY_FN_COUNTER_TIMED_TRACING("xla::") in
@@ -53,11 +56,15 @@ _COUNTERS = {
 @dataclasses.dataclass
 class _Rank:
     """This process as a rank: the meeting it shares its collectives through, and how many
-    steps and collectives it has made (a mismatch names them)."""
+    steps and collectives it has made (its messages name them)."""
 
     exchange: object  # host_exchange.Exchange
     steps: int = 1
     collectives: int = 0
+
+    def record(self, name, args, kwargs, frame):
+        """A collective call, before it runs, in the meeting's ledger."""
+        self.exchange.record(self.steps, name, args, kwargs, frame)
 
 
 _rank: _Rank | None = None  # this process's, once it is a rank
@@ -74,6 +81,14 @@ def exchange():
     return _rank.exchange if _rank is not None else None
 
 
+def calls_recorded():
+    """For the duration: this rank's collective calls go to the meeting's ledger, where the
+    meeting judges them (no launch around the ranks records them itself)."""
+    if _rank.exchange.ledger is None or registry.active("collective_ledger"):
+        return contextlib.nullcontext()
+    return collective_calls.recorded(_rank.record)
+
+
 def _step_ended(caller):
     """After a sync: counts the rank's steps."""
     if _rank is not None:
@@ -88,7 +103,7 @@ def host_primitive(name, original):
     def primitive(*args, **kwargs):
         if _rank is None:
             return original(*args, **kwargs)
-        return _on_the_host(name, describe(name, args, kwargs), implementation, args, kwargs)
+        return _on_the_host(name, identity(name, args, kwargs), implementation, args, kwargs)
 
     return primitive
 
@@ -97,7 +112,7 @@ def host_primitive(name, original):
 @torch._dynamo.disable
 def _on_the_host(name, call, implementation, args, kwargs):
     """Primitive ``name``'s ``implementation``, counted as torch_xla counts it, the call
-    described as ``call`` (what a mismatch names)."""
+    ``call`` its identity (``collective_calls.identity``)."""
     if name in _COUNTERS:
         torch_xla._XLAC._xla_increment_counter(_COUNTERS[name], 1)
     return implementation(call, *args, **kwargs)
@@ -117,7 +132,7 @@ def host_all_reduce(_, all_reduce):
         given = signature.bind(reduce_type, inputs, *args, **kwargs)
         given.apply_defaults()
         scale, groups, pin = (given.arguments[k] for k in ("scale", "groups", "pin_layout"))
-        call = describe("all_reduce", (reduce_type, inputs, *args), kwargs)
+        call = identity("all_reduce", (reduce_type, inputs, *args), kwargs)
         primitive = (reduce_type, inputs, scale, groups or [], pin)
         return _on_the_host("_xla_all_reduce", call, _PRIMITIVES["_xla_all_reduce"], primitive, {})
 
@@ -125,8 +140,8 @@ def host_all_reduce(_, all_reduce):
 
 
 def _share(call, tensors):
-    """Steps 1 and 2: every rank's ``tensors``, as CPU tensors, in rank order; ``call`` in
-    words, compared with the other ranks'."""
+    """Steps 1 and 2: every rank's ``tensors``, as CPU tensors, in rank order, once every
+    rank's ``call`` (its identity) is this one's."""
     device = torch_xla._XLAC._xla_get_default_device()
     # reset_scope=False: the cut is inside the user's step, maybe inside a profiler scope.
     torch_xla._XLAC._xla_step_marker(device, [], wait=False, reset_scope=False)
@@ -136,17 +151,17 @@ def _share(call, tensors):
     number, step = _rank.collectives, _rank.steps
     frame = sys._getframe(2)
     try:
-        calls, data = exchange.share(f"{step}\0{call}", [_bytes(t) for t in host])
+        calls, data = exchange.share(call, [_bytes(t) for t in host])
+        if any(other != call for other in calls):
+            exchange.await_verdict()
     except RankEnded as ended:
-        raise unmatched(
-            never_completes(call, Caller(frame), number, step, ended.rank, ended.how, ended.cause)
+        raise RankEnded(
+            f"{call}, called from {collective_calls.where(frame)} (collective number {number}, "
+            f"step {step}), can never complete: rank {ended.rank} has ended (it {ended.how}). "
+            f"A collective needs every rank; on a TPU the others would wait for rank "
+            f"{ended.rank} forever.",
+            ended.cause,
         ) from ended.cause
-    calls = [tuple(text.split("\0", 1)) for text in calls]
-    if any(text != call for _, text in calls):
-        # Every rank sees the same calls: each shares where it made its call, then raises.
-        wheres, _ = exchange.share(str(Caller(frame)), [])
-        ranks = zip(calls, wheres, strict=True)
-        raise unmatched(mismatch(number, [(step, text, where) for (step, text), where in ranks]))
     return [_tensors(shared, host) for shared in data]
 
 

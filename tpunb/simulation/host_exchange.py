@@ -22,10 +22,21 @@ larger one (its name's last number grows); the old one is unlinked at once.
 
 Point-to-point messages (``xm.send``, ``xm.recv``) go through the store (``post``, ``take``).
 
-A rank that ends says so in the store (``end``) and sets the key of the round it will never
-reach: the ranks waiting there stop with ``RankEnded``, naming it (with its exception when
-it pickles). For a killed rank the meeting, looking at the processes twice a second, says
-it. The launching process unlinks every segment of the meeting as it closes.
+The collectives only wait, as a TPU's do, or report a rank that has ended:
+
+- A rank that raises says so in the store (``end``) and sets the key of the round it will
+  never reach: the ranks waiting there stop with ``RankEnded``, naming it (with its
+  exception when it pickles). For a killed rank the meeting, looking at the processes five
+  times a second, says it.
+- Ranks whose calls differ (their calls' identities, shared with each round), and ranks
+  that wait for a rank that returned, wait for a verdict. Where no launch judges the ranks'
+  calls (a plain ``xmp.spawn``, torchrun), the meeting does, with the one judge
+  (watch/collective_calls.py) and the ledger the ranks write their calls to (a segment of
+  the meeting's): once no rank is running, the waiting ranks raise its verdict, a
+  ``CollectiveMismatch`` that names each rank's call and line. In a launch, the launch's
+  own judge stops them.
+
+The launching process unlinks every segment of the meeting as it closes.
 """
 
 import contextlib
@@ -40,17 +51,20 @@ from multiprocessing import shared_memory
 
 import numpy as np
 
-from tpunb.errors import RankEnded
+from tpunb.errors import CollectiveMismatch, RankEnded
 from tpunb.upstream import registry
+from tpunb.watch import collective_calls
+from tpunb.wording.reports import ranks_named
 
 MEETING = "TPUNB_SIMULATION_MEETING"  # "host:port:prefix", set by the launching process
 # The directory, per rank: for each of its two segments the generation and the lengths of
-# the description and data in it; then its pid, its rounds so far and whether it has ended.
+# the description and data in it; then its pid, its rounds so far and its state.
 _SEGMENT = struct.Struct("<qqq")
 _STATE = struct.Struct("<qqq")
 _RANK_SIZE = 2 * _SEGMENT.size + _STATE.size
-_ENDED = b"ended"  # a round's key set to this: a rank will never arrive
-_LOOK_EVERY = 0.5  # seconds between the meeting's looks at the rank processes
+_RUNNING, _ENDED_STATE, _WAITING = 0, 1, 2  # a rank's state: waiting for a verdict
+_ENDED = b"ended"  # a round's key, or the verdict, set to this: a rank will never arrive
+_LOOK_EVERY = 0.2  # seconds between the meeting's looks at the rank processes
 _POLL = 0.005  # seconds between a recv's looks at its mailbox
 _SHM_DIRECTORY = "/dev/shm"
 
@@ -79,9 +93,10 @@ def _unlink(name):
 
 
 class Meeting:
-    """The launching process's side: where ``ranks`` processes meet, for one launch."""
+    """The launching process's side: where ``ranks`` processes meet, for one launch.
+    ``judging``: whether it judges the ranks' collective calls (no launch does)."""
 
-    def __init__(self, ranks):
+    def __init__(self, ranks, judging=True):
         from torch.distributed import TCPStore
 
         self.prefix = f"tpunb-{uuid.uuid4().hex[:12]}"
@@ -90,33 +105,61 @@ class Meeting:
         )
         self.directory = _untracked(self.prefix, create=True, size=_RANK_SIZE * ranks)
         self.directory.buf[:] = bytes(self.directory.size)
+        self.calls = _untracked(
+            f"{self.prefix}-calls", create=True, size=collective_calls.Ledger.size(ranks)
+        )
         self.address = f"127.0.0.1:{self.store.port}:{self.prefix}"
         self.ranks = ranks
+        self.judging = judging
+        self.store.set("judging", b"1" if judging else b"")
         self._closed = threading.Event()
         self._watch = threading.Thread(target=self._watch_the_ranks, daemon=True)
         self._watch.start()
 
     def _watch_the_ranks(self):
         """A rank process that exits before its rank ended (killed) says nothing: the ranks
-        waiting for it are told here, as if it had ended."""
-        told = set()
+        waiting for it are told here, as if it had raised. Once no rank runs and some wait
+        for a verdict, the meeting gives it, if it judges."""
+        told, judged = set(), False
         while not self._closed.wait(_LOOK_EVERY):
-            for rank in range(self.ranks):
-                pid, rounds, ended = _state(self.directory, rank)
-                if pid and not ended and rank not in told and not _alive(pid):
+            states = [_state(self.directory, rank) for rank in range(self.ranks)]
+            for rank, (pid, rounds, state) in enumerate(states):
+                if pid and state == _RUNNING and rank not in told and not _alive(pid):
                     told.add(rank)
-                    _tell_the_others(self.store, rank, rounds, "was killed: its process exited")
+                    how = "was killed: its process exited"
+                    _tell_the_others(self.store, rank, rounds, how, raised=True)
+            waiting = [rank for rank, (_, _, state) in enumerate(states) if state == _WAITING]
+            running = [pid for pid, _, state in states if state == _RUNNING and _alive(pid)]
+            if self.judging and waiting and not running and not judged:
+                judged = True
+                self.store.set("verdict", self._verdict(waiting))
+
+    def _verdict(self, waiting):
+        """What the ranks waiting for a verdict raise: a rank's error, or the divergence."""
+        if self.store.check(["raised"]):
+            return _ENDED
+        ledger = collective_calls.Ledger(self.ranks, self.calls.buf)
+        _, divergence = collective_calls.Judge(ledger).check(final=True)
+        if divergence is not None:
+            return str(collective_calls.divergence_error(divergence)).encode()
+        return (
+            f"{ranks_named(waiting)} wait at collective calls that the other ranks never make, "
+            "so they can never meet (on a TPU they would wait forever); calls inside a "
+            "torch.compile'd function are not recorded, so their lines are not known here. "
+            "Every rank must make the same collective calls in the same order."
+        ).encode()
 
     def all_ended(self):
         """Whether every rank that joined has ended, or its process exited."""
         states = [_state(self.directory, rank) for rank in range(self.ranks)]
-        return all(ended or not _alive(pid) for pid, _, ended in states if pid)
+        return all(state == _ENDED_STATE or not _alive(pid) for pid, _, state in states if pid)
 
     def close(self):
         """Unlinks the meeting's segments, those that killed ranks left too."""
         self._closed.set()
         self._watch.join()
         self.directory.close()
+        self.calls.close()
         for name in os.listdir(_SHM_DIRECTORY):
             if name.startswith(self.prefix):
                 _unlink(name)
@@ -124,9 +167,9 @@ class Meeting:
 
 
 @contextlib.contextmanager
-def meeting(ranks):
+def meeting(ranks, judging=True):
     """A meeting for ``ranks`` processes, named in ``os.environ`` while it is open."""
-    opened = Meeting(ranks)
+    opened = Meeting(ranks, judging)
     before = os.environ.get(MEETING)
     os.environ[MEETING] = opened.address
     try:
@@ -149,6 +192,10 @@ class Exchange:
         self.rank, self.ranks = rank, ranks
         self.store = TCPStore(host, int(port), None, False, timeout=datetime.timedelta(days=1))
         self.directory = _untracked(self.prefix)
+        self._calls = _untracked(f"{self.prefix}-calls")
+        # Where this rank writes its collective calls, if the meeting judges them.
+        judging = self.store.get("judging") == b"1"
+        self.ledger = collective_calls.Ledger(ranks, self._calls.buf) if judging else None
         self.rounds = 0
         self._own = [None, None]  # this rank's two segments
         self._opened = {}  # name -> another rank's segment
@@ -170,9 +217,9 @@ class Exchange:
     def _read_segment(self, rank, segment):
         return _SEGMENT.unpack_from(self.directory.buf, _RANK_SIZE * rank + _SEGMENT.size * segment)
 
-    def _write_state(self, ended):
+    def _write_state(self, state):
         offset = _RANK_SIZE * self.rank + 2 * _SEGMENT.size
-        _STATE.pack_into(self.directory.buf, offset, os.getpid(), self.rounds, ended)
+        _STATE.pack_into(self.directory.buf, offset, os.getpid(), self.rounds, state)
 
     def _name(self, rank, segment, generation):
         return f"{self.prefix}-{rank}-{segment}-{generation}"
@@ -202,7 +249,7 @@ class Exchange:
             own.buf[offset : offset + array.nbytes] = array.reshape(-1).view(np.uint8)
             offset += array.nbytes
         self._write_segment(segment, generation, len(text), size - len(text))
-        self._write_state(0)
+        self._write_state(_RUNNING)
         self._meet()
         descriptions, data = [], []
         for rank in range(self.ranks):
@@ -224,9 +271,10 @@ class Exchange:
         return self._opened[name]
 
     def _meet(self):
-        """Waits until every rank has arrived at this round; raises ``RankEnded`` if a rank
-        that has not arrived has ended (it, or the meeting for a killed one, sets the round's
-        key to say so)."""
+        """Waits until every rank has arrived at this round. A rank that has not arrived and
+        has ended (it, or the meeting for a killed one, sets the round's key to say so)
+        stops this one with ``RankEnded`` if it raised; if it returned, this rank waits for
+        the verdict."""
         key = f"round-{self.rounds}"
         if self.store.add(key, 1) == self.ranks:
             self.store.compare_set(key + "-met", "", b"")
@@ -236,10 +284,27 @@ class Exchange:
             return
         self.store.wait([key + "-met"])
         if self.store.get(key + "-met") == _ENDED:
-            self._raise_the_ended()
+            if self.store.check(["raised"]):
+                self._raise_the_ended("raised")
+            self.await_verdict()
 
-    def _raise_the_ended(self):
-        rank, how = self.store.get("ended").decode().split("\0", 1)
+    def await_verdict(self):
+        """Waits, as a TPU's rank would wait forever, until the meeting's judge gives its
+        verdict (in a launch, the launch's judge stops the rank instead); raises it."""
+        self._write_state(_WAITING)
+        self.store.wait(["verdict"])
+        verdict = self.store.get("verdict")
+        if verdict == _ENDED:
+            self._raise_the_ended("raised")
+        raise CollectiveMismatch(verdict.decode())
+
+    def record(self, steps, name, args, kwargs, frame):
+        """A collective call of this rank's, before it runs, for the meeting's judge."""
+        self.ledger.record(self.rank, f"step {steps}", name, args, kwargs, frame)
+
+    def _raise_the_ended(self, which="ended"):
+        """Raises ``RankEnded`` for the first rank that ended (``which``: or raised)."""
+        rank, how = self.store.get(which).decode().split("\0", 1)
         cause = None
         if self.store.check(["ended-cause"]):
             with contextlib.suppress(Exception):
@@ -254,15 +319,18 @@ class Exchange:
     def take(self, box, source=None):
         """The first payload in the mailbox ``box`` that no rank has taken (waits for it).
         The wait is hopeless once the rank ``source`` has ended, or, if any rank may send
-        (None), once every other rank has."""
+        (None), once every other rank has; or waits for a verdict, as they do."""
         key = f"box-{box}-{self.store.add(f'box-{box}-taken', 1)}"
         senders = [rank for rank in range(self.ranks) if rank != self.rank]
         if source is not None:
             senders = [source]
         while not self.store.check([key]):
-            if all(_state(self.directory, rank)[2] for rank in senders):
+            states = [_state(self.directory, rank)[2] for rank in senders]
+            if _RUNNING not in states:
                 if self.store.check([key]):  # posted just before it ended
                     break
+                if _WAITING in states:
+                    self.await_verdict()
                 self._raise_the_ended()
             time.sleep(_POLL)
         payload = self.store.get(key)
@@ -273,17 +341,20 @@ class Exchange:
         """This rank returned (``error`` None) or raised ``error``: the ranks waiting for it
         at a collective, and those that call one later, raise ``RankEnded``. The first rank
         to end stays the cause."""
-        self._write_state(1)
-        if isinstance(error, RankEnded):
+        if error is None and self.ledger is not None:
+            self.ledger.returned(self.rank)
+        self._write_state(_ENDED_STATE)
+        if isinstance(error, (RankEnded, CollectiveMismatch)):
             return
         how = "returned" if error is None else f"raised {type(error).__name__}: {error}"
         if error is not None:
             with contextlib.suppress(Exception):
                 self.store.compare_set("ended-cause", "", pickle.dumps(error))
-        _tell_the_others(self.store, self.rank, self.rounds, how)
+        _tell_the_others(self.store, self.rank, self.rounds, how, raised=error is not None)
 
     def close(self):
-        for segment in [*self._opened.values(), *filter(None, self._own)]:
+        self.ledger = None
+        for segment in [*self._opened.values(), *filter(None, self._own), self._calls]:
             with contextlib.suppress(BufferError):
                 segment.close()
         with contextlib.suppress(BufferError):
@@ -291,15 +362,19 @@ class Exchange:
 
 
 def _state(directory, rank):
-    """A rank's pid (0 before it joined), rounds so far, and whether it has ended."""
+    """A rank's pid (0 before it joined), rounds so far, and its state (``_RUNNING``,
+    ``_ENDED_STATE``, ``_WAITING``)."""
     return _STATE.unpack_from(directory.buf, _RANK_SIZE * rank + 2 * _SEGMENT.size)
 
 
-def _tell_the_others(store, rank, rounds, how):
-    """Rank ``rank`` has ended after ``rounds`` rounds: the first to end is named the cause,
-    and the ranks waiting in the round it will never reach are woken."""
+def _tell_the_others(store, rank, rounds, how, raised):
+    """Rank ``rank`` has ended after ``rounds`` rounds (``raised``: by an error, or killed):
+    the first to end, and the first to raise, are named the cause, and the ranks waiting in
+    the round it will never reach are woken."""
     first = f"{rank}\0{how}"
     store.compare_set("ended", "", first)
+    if raised:
+        store.compare_set("raised", "", first)
     store.compare_set(f"round-{rounds + 1}-met", "", _ENDED)
 
 

@@ -10,9 +10,8 @@ so they never form the same graph, and XLA's CPU backend has no Send or Recv at 
 ``ThunkEmitter`` emits neither). So a send puts its value in a mailbox and the receiver
 takes it from there, in the order sent: the values a TPU would carry, without the XLA op.
 The mailboxes are in the meeting's store (host_exchange.py). A permute among some ranks
-pairs each receiver with its source by the pair they both name; a receiver whose call
-differs from its source's (another shape or dtype) raises ``CollectiveMismatch`` naming
-both.
+pairs each receiver with its source by the pair they both name; a receiver given another
+shape or dtype than it asked for raises, naming both calls, as ``xm.recv`` does.
 """
 
 import functools
@@ -22,11 +21,10 @@ import sys
 import torch
 import torch_xla.runtime as xr
 
-from tpunb.errors import CollectiveMismatch, RankEnded, TpunbError
+from tpunb.errors import RankEnded, TpunbError
 from tpunb.machine import cores
 from tpunb.simulation import host_collectives
-from tpunb.simulation.calls import Caller, unmatched
-from tpunb.watch.collective_calls import among_some, describe
+from tpunb.watch.collective_calls import among_some, describe, where
 
 
 def send_recv_through_host(name, _):
@@ -80,20 +78,18 @@ def permute_among_some(input, token, pairs):
     try:
         sent, value = _take(f"permute-{sources[0]}-{rank}", sources[0])
     except RankEnded as ended:
-        error = RankEnded(
-            f"{call} {Caller(frame)} can never complete: the rank that sends to it, rank "
-            f"{sources[0]}, will not ({ended}); on a TPU rank {rank} would wait forever.",
+        raise RankEnded(
+            f"{call}, called from {where(frame)}, can never complete: the rank that sends to "
+            f"it, rank {sources[0]}, will not ({ended}); on a TPU rank {rank} would wait "
+            "forever.",
             ended.cause,
-        )
-        raise unmatched(error) from ended.cause
+        ) from ended.cause
     if sent != call:
-        raise unmatched(
-            CollectiveMismatch(
-                f"Ranks {sources[0]} and {rank} cannot pair up: rank {sources[0]} sent "
-                f"{sent}, and rank {rank} received with {call} {Caller(frame)}. "
-                "torch.distributed's send and recv (and xm.collective_permute) need the same "
-                "pairs, shape and dtype on both sides (on a TPU these would wait forever)."
-            )
+        raise ValueError(
+            f"Ranks {sources[0]} and {rank} cannot pair up: rank {sources[0]} sent {sent}, "
+            f"and rank {rank} received with {call}, called from {where(frame)}. "
+            "torch.distributed's send and recv (and xm.collective_permute) need the same "
+            "pairs, shape and dtype on both sides (on a TPU these would wait forever)."
         )
     return value.to(input.device), token
 

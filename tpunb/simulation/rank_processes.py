@@ -13,8 +13,8 @@ processes hold one chip each (``TPU_PROCESS_BOUNDS``, tpu_answers.py), so torch_
   devices span the processes); ``xr.process_index()``, ``xr.process_count()`` and the
   global device counts answer as there. torch's intra-op threads are one (OpenMP's
   threads hang in a process forked from one that ran them). Then the rank joins the
-  meeting, runs, and says when it ends, so the ranks waiting for it at a collective stop
-  with ``RankEnded`` (host_exchange.py).
+  meeting, runs with its collective calls recorded for the meeting's judge (unless a
+  launch records them), and says when it ends (host_exchange.py).
 
 A rank process's metrics, counters, random generator, dynamo and torch.distributed state
 are its own, as on a TPU: nothing else is patched for them.
@@ -36,7 +36,9 @@ def run_in_meeting(_, run_multiprocess):
     def run_in_a_meeting(fn, *args, start_method="spawn", **kwargs):
         from torch_xla._internal import tpu
 
-        with host_exchange.meeting(tpu.num_local_processes()):
+        # The meeting judges the ranks' collective calls, unless a launch does.
+        judging = not registry.active("collective_ledger")
+        with host_exchange.meeting(tpu.num_local_processes(), judging):
             return run_multiprocess(fn, *args, start_method=start_method, **kwargs)
 
     return run_in_a_meeting
@@ -60,7 +62,8 @@ def run_as_rank_process(_, run_threads):
 
         try:
             exchange.join()
-            results = run_threads(local_rank, local_world_size, rank, initializer_fn)
+            with host_collectives.calls_recorded():
+                results = run_threads(local_rank, local_world_size, rank, initializer_fn)
             # Keyed by the device's ordinal in its process (0); on a TPU by its global one.
             (result,) = results.values()
             return {local_rank: result}

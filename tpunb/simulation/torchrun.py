@@ -14,6 +14,7 @@ meeting once every rank has ended.
 """
 
 import atexit
+import contextlib
 import os
 import tempfile
 import time
@@ -31,7 +32,7 @@ def launched():
 
 def become_rank(cores):
     """Makes this process the rank torchrun says it is, of ``cores`` simulated cores."""
-    from tpunb.simulation import host_exchange, rank_processes
+    from tpunb.simulation import host_collectives, host_exchange, rank_processes
 
     local_rank, local_world = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
     world = int(os.environ.get("WORLD_SIZE", local_world))
@@ -53,9 +54,11 @@ def become_rank(cores):
         os.replace(path + ".new", path)
     exchange = rank_processes.become_rank(local_rank, local_world, _address(path))
     exchange.join()
+    recorded = contextlib.ExitStack()  # the script's collective calls, until the rank ends
+    recorded.enter_context(host_collectives.calls_recorded())
     error = {}  # the exception that ends the rank's program, if one does
     registry.install("torchrun_error_kept", error)
-    atexit.register(_end, exchange, meeting, path, error)
+    atexit.register(_end, exchange, meeting, path, error, recorded)
 
 
 def _address(path):
@@ -82,9 +85,10 @@ def excepthook_keeping_error(_, excepthook, kept):
     return keeping_the_error
 
 
-def _end(exchange, meeting, path, error):
+def _end(exchange, meeting, path, error, recorded):
     from tpunb.simulation import host_collectives
 
+    recorded.close()
     exchange.end(error.get("error"))
     host_collectives.start(None)
     exchange.close()

@@ -82,8 +82,8 @@ PATCHES = (
           "tpunb.launcher.hooks:excused", LAUNCH, undone=True),
     Patch("torch.Tensor", "tpunb.launcher.reads:READS", "launch_reads",
           "tpunb.launcher.reads:watching", LAUNCH, undone=True),
-    Patch(_XM, "tpunb.launcher.ledger:RECORDED", "launch_ledger",
-          "tpunb.launcher.ledger:recording", LAUNCH, undone=True),
+    Patch(_XM, "tpunb.watch.collective_calls:RECORDED", "collective_ledger",
+          "tpunb.watch.collective_calls:recording", LAUNCH, undone=True),
     Patch("multiprocessing.process", ("_children",), "launch_started_processes",
           "tpunb.launcher.processes:recording", LAUNCH, undone=True),
     # The simulation.
@@ -187,6 +187,11 @@ def during(name: str, *context: Any) -> Iterator[None]:
                 )
             )
         yield
+
+
+def active(name: str) -> bool:
+    """Whether the patch called ``name`` is in place now."""
+    return all(_installed(patch) for patch in entries(name))
 
 
 def install_simulation() -> None:

@@ -1,11 +1,13 @@
 """Where in the user's program something happened: the innermost frame outside torch,
 torch_xla and tpunb, named as a learner reads it (a notebook cell as "cell In[3]")."""
 
+import functools
 import os
 import sys
 import traceback
 
 
+@functools.cache
 def libraries(own=True):
     """The folders of torch's and torch_xla's code (and tpunb's, if ``own``): frames there
     are not the program's."""

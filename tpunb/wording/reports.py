@@ -47,3 +47,20 @@ def html_table(title, rows, warnings):
 def count(number, noun):
     """ "1 core", "8 cores"."""
     return f"{number} {noun}{'s' if number != 1 else ''}"
+
+
+def span(ranks):
+    """ "0-7", "1, 3", "0-2, 4-7": runs of three or more ranks as a range."""
+    ranks, parts = sorted(ranks), []
+    start = 0
+    for end in range(1, len(ranks) + 1):
+        if end == len(ranks) or ranks[end] != ranks[end - 1] + 1:
+            run = ranks[start:end]
+            parts += [f"{run[0]}-{run[-1]}"] if len(run) > 2 else map(str, run)
+            start = end
+    return ", ".join(parts)
+
+
+def ranks_named(ranks):
+    """ "rank 3", or "ranks 0-2, 4-7"."""
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {span(ranks)}"
