@@ -8,10 +8,9 @@ import pytest
 from conftest import run_python
 
 import tpunb
-from tpunb import environment, hardware
+from tpunb import environment, hardware, machine
 from tpunb.environment import Environment
-from tpunb.machine import platform
-from tpunb.machine.cores import Layout
+from tpunb.machine import Layout
 
 
 def _fake_pci(root, *device_ids):
@@ -105,9 +104,9 @@ def test_platform_is_read_from_the_environment(monkeypatch, variable, expected):
         "BINDER_REPO_URL",
     ):
         monkeypatch.delenv(other, raising=False)
-    assert platform.name() == "script"
+    assert machine.platform() == "script"
     monkeypatch.setenv(variable, "1")
-    assert platform.name() == expected
+    assert machine.platform() == expected
 
 
 def test_report_says_what_torch_tpu_is_where_it_is_installed(tmp_path):

@@ -143,7 +143,7 @@ def test_a_rank_killed_by_a_signal_is_reported_with_the_likely_cause(
     # All 8: the others were stopped once rank 5 died.
     assert caught.value.ranks == tuple(range(8))
     # Its own process, or the one it shares with the ranks that had started by then.
-    killed = "rank 5" if tpunb.machine.cores.available().processes == 8 else r"ranks [\d, -]+"
+    killed = "rank 5" if tpunb.machine.available().processes == 8 else r"ranks [\d, -]+"
     assert re.search(
         f"the process of {killed} \\(pid \\d+\\) was killed by {how}: {cause}", str(caught.value)
     )
@@ -235,7 +235,7 @@ def test_kaggle_presets_are_removed_for_the_launch_and_restored(cores8, monkeypa
     monkeypatch.setenv("CLOUD_TPU_TASK_ID", "0")
     # In the ranks, torch_xla's own topology (tpu.configure_topology): a port and a task a
     # process.
-    processes = tpunb.machine.cores.available().processes
+    processes = tpunb.machine.available().processes
     addresses = ",".join(f"localhost:{8476 + p}" for p in range(processes))
     expected = {(addresses, str(rank * processes // 8)) for rank in range(8)}
     assert set(tpunb.launch(_spawn_variables)) == expected

@@ -10,8 +10,8 @@ import math
 import weakref
 from typing import TYPE_CHECKING
 
+from tpunb import machine
 from tpunb.errors import TpunbError
-from tpunb.machine import cores as core_layout
 from tpunb.wording import reports
 
 if TYPE_CHECKING:
@@ -133,7 +133,7 @@ def batch_report(loader: DataLoader, cores: int | None = None) -> BatchReport:
     """
     if loader.batch_size is None:
         raise TpunbError("batch_report needs a DataLoader built with batch_size=...")
-    cores = core_layout.count(cores)
+    cores = machine.count(cores)
     report = BatchReport(
         samples=len(loader.dataset),
         cores=cores,
@@ -162,7 +162,7 @@ def global_batch_size(per_core: int | DataLoader, cores: int | None = None) -> i
                 "batch size itself)."
             )
         per_core = per_core.batch_size
-    return per_core * core_layout.count(cores)
+    return per_core * machine.count(cores)
 
 
 def per_core_batch_size(global_batch: int, cores: int | None = None) -> int:
@@ -175,7 +175,7 @@ def per_core_batch_size(global_batch: int, cores: int | None = None) -> int:
     Returns:
         The per-core batch size; a ``TpunbError`` if it does not split evenly.
     """
-    cores = core_layout.count(cores)
+    cores = machine.count(cores)
     if global_batch % cores:
         raise TpunbError(
             f"A global batch of {global_batch} does not split evenly over {cores} cores; "

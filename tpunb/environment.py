@@ -6,8 +6,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 
-from tpunb import hardware
-from tpunb.machine import cores, platform
+from tpunb import hardware, machine
 from tpunb.upstream import versions
 from tpunb.wording import reports
 
@@ -17,7 +16,7 @@ class Environment(reports.Report):
     """The environment report; shows as text in a console and as a table in a notebook."""
 
     platform: str
-    layout: object  # cores.Layout, or None without a TPU or a simulation
+    layout: object  # machine.Layout, or None without a TPU or a simulation
     host_tpu: object  # hardware.Tpu on PCI, or None: the TPU even where cores are simulated
     python: str
     torch: object  # version string or None
@@ -89,13 +88,13 @@ def env() -> Environment:
         An ``Environment`` (shown as a table in a notebook; ``.cores``, ``.warnings``...).
     """
     report = Environment(
-        platform=platform.name(),
-        layout=cores.available(),
+        platform=machine.platform(),
+        layout=machine.available(),
         host_tpu=hardware.detect(),
         python=sys.version.split()[0],
         torch=versions.installed("torch"),
         torch_xla=versions.installed("torch_xla"),
-        runtime_started=platform.runtime_started(),
+        runtime_started=machine.runtime_started(),
         warnings=(),
     )
     return dataclasses.replace(report, warnings=tuple(_warnings(report)))
@@ -140,7 +139,7 @@ def _warnings(report):
             "core has its process (v4 and later), or one core (cores=1); call torch_xla's "
             "xmp.spawn directly here."
         )
-    preset = platform.spawn_breaking_variables()
+    preset = machine.spawn_breaking_variables()
     if preset and report.tpu is not None:  # simulated cores never read them
         names = ", ".join(f"{k}={v!r}" for k, v in preset.items())
         yield (

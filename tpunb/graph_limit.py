@@ -8,8 +8,8 @@ import functools
 import typing
 from collections.abc import Callable
 
+from tpunb import machine
 from tpunb.errors import TpunbError, check_count
-from tpunb.machine import cores
 
 T = typing.TypeVar("T")
 
@@ -36,7 +36,7 @@ def limit_graphs(step: Callable[..., T], max_graphs: int) -> Callable[..., T]:
         ``step``, wrapped.
     """
     check_count(max_graphs, "limit_graphs(step, max_graphs=...)", "graphs", 4)
-    if not cores.in_rank():
+    if not machine.in_rank():
         raise TpunbError(
             "limit_graphs(step, ...) wraps a step inside the function given to tpunb.launch: "
             "graphs are compiled by the ranks."

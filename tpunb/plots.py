@@ -8,8 +8,8 @@ from __future__ import annotations
 import itertools
 from typing import TYPE_CHECKING
 
+from tpunb import machine
 from tpunb.errors import TpunbError
-from tpunb.machine import platform
 from tpunb.upstream import versions
 
 if TYPE_CHECKING:
@@ -212,7 +212,7 @@ def shown_in_notebooks(figure: Figure) -> Figure:
 
     Returns:
         ``figure`` itself."""
-    if platform.in_kernel():
+    if machine.in_kernel():
         from IPython import get_ipython
         from IPython.core.pylabtools import print_figure
         from matplotlib.figure import Figure

@@ -7,8 +7,8 @@ from __future__ import annotations
 import inspect
 from typing import TYPE_CHECKING
 
+from tpunb import machine
 from tpunb.errors import TpunbError
-from tpunb.machine import cores
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -19,12 +19,6 @@ if TYPE_CHECKING:
 
 # Parameters of DataLoader that shard() sets itself rather than copying.
 _REPLACED = {"self", "dataset", "sampler", "batch_sampler", "shuffle"}
-
-
-# The epoch each notebook loader's next iteration runs, per rank: shard(loader) called
-# anew each epoch (``for batch in tpunb.shard(loader)`` inside an epoch loop) continues the
-# loader's epochs instead of replaying epoch 0, the pitfall of a forgotten set_epoch.
-_next_epochs: dict[tuple[int, int], list[int]] = {}
 
 
 class ShardedLoader:
@@ -72,7 +66,7 @@ def shard(loader: DataLoader) -> ShardedLoader:
     Returns:
         A ``ShardedLoader``: iterate it once an epoch; ``len`` is this rank's batches."""
     rebuild = distributed_version(loader)
-    if not cores.in_rank():
+    if not machine.in_rank():
         raise TpunbError(
             "shard(loader) runs inside the function given to tpunb.launch: it needs the "
             "rank's ordinal and the number of cores, which exist only there."
@@ -80,9 +74,14 @@ def shard(loader: DataLoader) -> ShardedLoader:
     import torch_xla
     import torch_xla.runtime as xr
 
+    from tpunb.launcher import recorder
+
     rank = xr.global_ordinal()
-    # The notebook's loader lives as long as the launch that was given it: its id is its own.
-    next_epoch = _next_epochs.setdefault((id(loader), rank), [0])
+    # shard(loader) called anew each epoch (``for batch in tpunb.shard(loader)`` inside an
+    # epoch loop) continues the loader's epochs instead of replaying epoch 0, the pitfall
+    # of a forgotten set_epoch: the rank's recorder keeps them for the launch.
+    in_launch = recorder.current()
+    next_epoch = in_launch.next_epoch(loader) if in_launch else None
     return ShardedLoader(rebuild(xr.world_size(), rank), torch_xla.device(), next_epoch)
 
 

@@ -141,8 +141,8 @@ def sweep_batch_sizes(
 
     Returns:
         A ``Sweep``: time a step and samples/s by batch size (a table in a notebook)."""
+    from tpunb import machine
     from tpunb.launcher import launch
-    from tpunb.machine import cores as core_layout
 
     sizes = sorted(batch_sizes)
     with warnings.catch_warnings():
@@ -169,7 +169,7 @@ def sweep_batch_sizes(
         per_round = tuple(max(t[i][r][0] for t in timings) for r in range(rounds))
         memory = timings[0][i][-1][1]
         rows.append(SweepRow(size, cores, statistics.median(per_round), memory, per_round))
-    return Sweep(tuple(rows), core_layout.available().simulated, did_not_fit)
+    return Sweep(tuple(rows), machine.available().simulated, did_not_fit)
 
 
 def _sweep_on_every_core(rank, model, dataset, sizes, loss_fn, optimizer, steps, warmup, rounds):

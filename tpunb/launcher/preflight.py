@@ -10,9 +10,8 @@ import os
 import sys
 from typing import TYPE_CHECKING
 
-from tpunb import upstream
+from tpunb import machine, upstream
 from tpunb.errors import TpunbError, warn
-from tpunb.machine import cores, platform
 from tpunb.upstream import registry, versions
 from tpunb.watch import live
 
@@ -83,7 +82,7 @@ def plan(requested=None):
     if not versions.has_torch_xla():
         raise TpunbError(versions.INSTALL_TORCH_XLA)
     check_runtime_not_started()
-    layout = cores.available()
+    layout = machine.available()
     if layout is None:
         raise TpunbError(
             "No TPU found on this machine, and no simulation is set up. To run on 8 TPU cores "
@@ -128,9 +127,9 @@ def plan(requested=None):
 
 
 def check_runtime_not_started():
-    if not platform.runtime_started():
+    if not machine.runtime_started():
         return
-    restart = "Restart the kernel" if platform.in_kernel() else "Start a new Python process"
+    restart = "Restart the kernel" if machine.in_kernel() else "Start a new Python process"
     raise TpunbError(
         "The XLA runtime is already running in this process, so xmp.spawn cannot start the "
         "cores: something here used the XLA device, e.g. torch_xla.device(), "
@@ -146,7 +145,7 @@ def check_start_method(start_method):
     why = (
         "In a notebook, spawned processes cannot find the functions defined in it "
         "(https://github.com/pytorch/xla/issues/2750). "
-        if platform.in_kernel()
+        if machine.in_kernel()
         else ""
     )
     raise TpunbError(

@@ -9,23 +9,23 @@ import functools
 import threading
 
 _thread = threading.local()  # ``excused``: depth of excused helpers running in this thread
-# What torch_xla's own helpers did in this process after a sync: CPU fallbacks that cut no
-# graph (op -> times) and, under _COMPILES, their own graphs; not blamed on the steps.
-_excused = collections.Counter()
-_excused_lock = threading.Lock()
 
 
 @dataclasses.dataclass
-class _Excusing:
-    """The process's threads now in such a helper (their counts are not final yet: a helper
-    may run inside another, or in a thread of the program's), and the counts when the first
-    of them entered."""
+class _Excused:
+    """What torch_xla's own helpers did in this process after a sync (``counts``: CPU
+    fallbacks that cut no graph, op -> times, and under _COMPILES their own graphs; not
+    blamed on the steps); the process's threads now in such a helper (their counts are not
+    final yet: a helper may run inside another, or in a thread of the program's), and the
+    counts when the first of them entered. The process's: torch_xla counts per process."""
 
+    counts: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
     threads: int = 0
     counts_before: dict = dataclasses.field(default_factory=dict)
 
 
-_excusing = _Excusing()
+_excused = _Excused()  # this process's, a rank's on a v5e-8 as here
 _COMPILES = "UncachedCompile"
 
 # The process's counts at a read, or their differences since the last: compilations
@@ -43,20 +43,20 @@ def excusing(function):
     def excused(*args, **kwargs):
         __tracebackhide__ = True  # a rank's traceback shows the program's call, not this
         _thread.excused = getattr(_thread, "excused", 0) + 1
-        with _excused_lock:
-            if not _excusing.threads:  # threads' calls overlap: count their span once
-                _excusing.counts_before = _fallback_counts()
-            _excusing.threads += 1
+        with _excused.lock:
+            if not _excused.threads:  # threads' calls overlap: count their span once
+                _excused.counts_before = _fallback_counts()
+            _excused.threads += 1
         try:
             return function(*args, **kwargs)
         finally:
             _thread.excused -= 1
-            with _excused_lock:
-                _excusing.threads -= 1
-                if not _excusing.threads:
-                    before = _excusing.counts_before
+            with _excused.lock:
+                _excused.threads -= 1
+                if not _excused.threads:
+                    before = _excused.counts_before
                     after = _fallback_counts()
-                    _excused.update({op: n - before.get(op, 0) for op, n in after.items()})
+                    _excused.counts.update({op: n - before.get(op, 0) for op, n in after.items()})
 
     return excused
 
@@ -107,8 +107,8 @@ class ProcessCounters:
 
     def _read(self, every_time=False):
         met = self._met
-        with _excused_lock:
-            self._deferred = bool(_excusing.threads) and self._last is not None
+        with _excused.lock:
+            self._deferred = bool(_excused.threads) and self._last is not None
             if self._deferred:
                 # A thread is in a helper whose counts are excused: they are told from the
                 # others once it returns, so this step's go to a later one.
@@ -117,10 +117,10 @@ class ProcessCounters:
             else:
                 compiles = met.counter_value(_COMPILES) or 0
                 fallbacks = {
-                    name: met.counter_value(name) - _excused[name]
+                    name: met.counter_value(name) - _excused.counts[name]
                     for name in met.executed_fallback_ops()
                 }
-                helper_compiles = _excused[_COMPILES]
+                helper_compiles = _excused.counts[_COMPILES]
         return _Counts(
             compiles,
             met.counter_value("CachedCompile") or 0,

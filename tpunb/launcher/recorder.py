@@ -52,6 +52,12 @@ class Recorder:
         self._ledger = ledger
         self._memory = device_memory.Reader() if memory else None
         self._split_syncs = split_syncs
+        self._next_epochs = {}  # id(a notebook loader given to shard) -> [its next epoch]
+
+    def next_epoch(self, loader):
+        """The epoch the next pass over the notebook's ``loader`` runs, in a list that its
+        sharded loader advances. The loader lives as long as the launch: its id is its own."""
+        return self._next_epochs.setdefault(id(loader), [0])
 
     def log(self, values):
         """Records ``values`` (name -> number or one-element tensor) for the current step."""

@@ -14,6 +14,7 @@ import time
 import warnings
 from typing import TYPE_CHECKING
 
+from tpunb import machine
 from tpunb.errors import warn
 from tpunb.launcher import (
     channel,
@@ -25,7 +26,6 @@ from tpunb.launcher import (
     watchers,
 )
 from tpunb.launcher.channel import Ended, Raised, Returned, Steps
-from tpunb.machine import platform
 from tpunb.watch import collective_calls, compile_watch, history, live
 
 if TYPE_CHECKING:
@@ -82,7 +82,7 @@ def supervise(
         launch_history = history.History(plan.cores)
         watching = watchers.of_launch(job, launch_history)
         with (
-            platform.spawn_variables_removed(),
+            machine.spawn_variables_removed(),
             hooks.installed(plan.checked),
             contextlib.ExitStack() as in_ranks,
             stacks as stacks,

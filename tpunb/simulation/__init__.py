@@ -22,11 +22,9 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
-from tpunb import hardware, upstream
+from tpunb import hardware, machine, upstream
 from tpunb.environment import env
 from tpunb.errors import TpunbError, check_count, warn
-from tpunb.machine import cores as core_layout
-from tpunb.machine import platform
 from tpunb.simulation import torchrun, tpu_answers
 from tpunb.upstream import registry, versions
 
@@ -85,7 +83,7 @@ def simulate(
             "instead_of_tpu=True)."
         )
     _check_torch_xla_version()
-    if platform.runtime_started():
+    if machine.runtime_started():
         raise TpunbError(
             "The XLA runtime is already running in this process, so the number of simulated "
             "cores can no longer change. Restart the kernel (or Python) and call "
@@ -111,7 +109,7 @@ def simulate(
     registry.install_simulation()
     functional_collectives.register_kernels()
     lightning.install()
-    core_layout.set_simulation(core_layout.Simulation(count, instead_of_tpu))
+    machine.set_simulation(machine.Simulation(count, instead_of_tpu))
     if torchrun.launched():  # this process is one of the ranks torchrun started
         torchrun.become_rank(count)
     return env()

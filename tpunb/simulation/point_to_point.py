@@ -21,8 +21,8 @@ import sys
 import torch
 import torch_xla.runtime as xr
 
+from tpunb import machine
 from tpunb.errors import RankEnded, TpunbError
-from tpunb.machine import cores
 from tpunb.simulation import host_collectives
 from tpunb.watch.collective_calls import among_some, describe, where
 
@@ -35,7 +35,7 @@ def send_recv_through_host(name, _):
 def permute_through_host(_, permute):
     @functools.wraps(permute)
     def collective_permute(input, token, pairs):
-        if cores.in_rank() and among_some(pairs, xr.world_size()):
+        if machine.in_rank() and among_some(pairs, xr.world_size()):
             return permute_among_some(input, token, pairs)
         return permute(input, token, pairs)
 

@@ -11,7 +11,7 @@ own start-up. Its children get the simulation the same way.
 import dataclasses
 import functools
 
-from tpunb.machine import cores
+from tpunb import machine
 
 
 def command_line_simulating(_, command_line):
@@ -23,7 +23,7 @@ def command_line_simulating(_, command_line):
         if "-c" not in command:  # a frozen executable: it runs no code we could add to
             return command
         program = command.index("-c") + 1
-        simulated = dataclasses.asdict(cores.simulation())
+        simulated = dataclasses.asdict(machine.simulation())
         arguments = ", ".join(f"{name}={value!r}" for name, value in simulated.items())
         command[program] = (
             f"import tpunb; tpunb.simulation.simulate({arguments}); {command[program]}"

@@ -33,7 +33,7 @@ message); the runtime's device attributes and memory statistics; libtpu (never l
 import functools
 import os
 
-from tpunb.machine import cores
+from tpunb import machine
 from tpunb.upstream import registry
 
 _RUNTIME_DEVICE = "CPU"
@@ -106,7 +106,7 @@ def simulated_chips(_, num_available_chips):
     @functools.wraps(num_available_chips)
     def simulated():
         """The TPU chips attached through PCI: the simulated ones."""
-        return cores.simulation().cores
+        return machine.simulation().cores
 
     return simulated
 

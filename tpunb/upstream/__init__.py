@@ -21,7 +21,7 @@ from tpunb.upstream import patching, registry, versions
 # in registry.PATCHES, from which the lists below take their private names.
 _LAUNCH_READS = {
     "torch_xla._XLAC": (
-        "_xla_runtime_is_initialized",  # platform.runtime_started
+        "_xla_runtime_is_initialized",  # machine.runtime_started
         "_check_tensor_need_materialization",  # launcher/reads.py: a read that cuts
         "_check_device_tensor_need_materialization",
         "_is_placecholder",  # (sic) a read that waits for the device

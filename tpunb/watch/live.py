@@ -13,9 +13,8 @@ import importlib.util
 import io
 import time
 
-from tpunb import plots
+from tpunb import machine, plots
 from tpunb.errors import TpunbError, warn
-from tpunb.machine import platform
 from tpunb.upstream import versions
 from tpunb.watch.history import RATE_OVER
 
@@ -52,13 +51,13 @@ def resolve(live):
                 f'{" ".join(missing)} (or "{versions.requirement("plots")}"), then restart the '
                 "kernel."
             )
-        if not platform.in_kernel():
+        if not machine.in_kernel():
             raise TpunbError(
                 "launch(live='widgets') draws in a Jupyter notebook, and this Python is not "
                 "a notebook kernel. Use live='text' (a line each epoch) or live=False."
             )
     if live == "auto":
-        live = "widgets" if platform.draws_widgets() and not missing else "text"
+        live = "widgets" if machine.draws_widgets() and not missing else "text"
     return live
 
 
@@ -144,7 +143,7 @@ class TextView(_View):
             self._print(self._epoch_end(self._epoch))
         state = "stopped" if failed else "done"
         print(f"{state}: {', '.join(snapshot.parts(final=True))}", flush=True)
-        if platform.in_kernel():
+        if machine.in_kernel():
             self._show_final_figure(self._figure())
 
     def _epoch_end(self, epoch):
