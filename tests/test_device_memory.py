@@ -24,7 +24,7 @@ def _step(number, used=None, limit=16 * GiB):
 
 
 def test_a_core_near_its_limit_is_warned_about_once_and_shown_in_the_progress_line():
-    history, watch = History(2), device_memory.Watch()
+    history, watch = History(2), device_memory.NearLimit()
     for rank in range(2):
         steps = [_step(0, 4.0), _step(1), _step(2, 12.0 + rank)]
         history.add(rank, steps)
@@ -74,7 +74,7 @@ def test_simulated_cores_say_their_memory_is_not_measured(cores8):
 
 @pytest.mark.parametrize("fullness", [0.5, 0.89])
 def test_below_the_limit_nothing_is_said(fullness):
-    assert device_memory.Watch().add(0, [_step(0, 16 * fullness)]) == []
+    assert device_memory.NearLimit().add(0, [_step(0, 16 * fullness)]) == []
 
 
 def _attends_to_a_million_positions(rank):

@@ -10,9 +10,8 @@ import math
 import weakref
 from typing import TYPE_CHECKING
 
-from tpunb import machine
+from tpunb import machine, reports
 from tpunb.errors import TpunbError
-from tpunb.wording import reports
 
 if TYPE_CHECKING:
     from torch.utils.data import DataLoader

@@ -6,9 +6,8 @@ from __future__ import annotations
 import dataclasses
 import sys
 
-from tpunb import hardware, machine
+from tpunb import hardware, machine, reports
 from tpunb.upstream import versions
-from tpunb.wording import reports
 
 
 @dataclasses.dataclass(frozen=True, repr=False)

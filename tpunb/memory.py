@@ -10,8 +10,8 @@ import dataclasses
 import os
 from typing import TYPE_CHECKING
 
+from tpunb import reports
 from tpunb.errors import TpunbError
-from tpunb.wording import reports
 
 if TYPE_CHECKING:
     from collections.abc import Callable

@@ -10,9 +10,9 @@ import time
 import warnings
 from typing import TYPE_CHECKING
 
+from tpunb import reports
 from tpunb.errors import TpunbError, TpunbWarning
 from tpunb.watch import device_memory
-from tpunb.wording import reports
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable, Iterator

@@ -5,11 +5,10 @@ happened and what to do."""
 import importlib.util
 import signal
 
-from tpunb import simulation
+from tpunb import errors, simulation
 from tpunb.errors import RankError
+from tpunb.reports import ranks_named, span
 from tpunb.watch import device_memory
-from tpunb.wording import migration
-from tpunb.wording.reports import ranks_named, span
 
 # Errors whose message alone does not say what to do.
 _KNOWN_CAUSES = [
@@ -53,7 +52,7 @@ def describe(error):
     for symptom, explanation in _KNOWN_CAUSES:
         if symptom in str(error):
             description += f"\n\nLikely cause: {explanation}"
-    renamed = migration.hint_for_error(str(error))
+    renamed = errors.hint_for_error(str(error))
     if renamed:
         description += f"\n\n{renamed}"
     return description

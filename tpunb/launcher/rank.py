@@ -13,11 +13,11 @@ import itertools
 import time
 from typing import TYPE_CHECKING
 
+from tpunb import program_lines
 from tpunb.errors import CollectiveMismatch, RankEnded
 from tpunb.launcher import channel, failures, heartbeat, recorder
 from tpunb.launcher.channel import Raised, Returned
 from tpunb.watch import collective_calls
-from tpunb.wording import program_lines
 
 if TYPE_CHECKING:
     from collections.abc import Callable

@@ -22,8 +22,8 @@ import os
 import sys
 import threading
 
+from tpunb import program_lines
 from tpunb.upstream import registry
-from tpunb.wording import program_lines
 
 # Method name -> how a learner writes the read.
 READS = {

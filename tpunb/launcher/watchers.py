@@ -109,7 +109,7 @@ class Memory(Watcher):
     name = "memory"
 
     def __init__(self) -> None:
-        self.watch = device_memory.Watch()
+        self.watch = device_memory.NearLimit()
 
     def add(self, rank: int, steps: list[Step]) -> list[str]:
         return self.watch.add(rank, steps)

@@ -24,11 +24,10 @@ import logging
 import multiprocessing
 from typing import TYPE_CHECKING
 
-from tpunb import upstream
+from tpunb import errors, upstream
 from tpunb.errors import TpunbError, warn
 from tpunb.launcher import launchers, preflight, rank, supervisor
 from tpunb.upstream import versions
-from tpunb.wording import migration
 
 if importlib.util.find_spec("lightning") is None:
     raise TpunbError(
@@ -79,7 +78,7 @@ def trainer(
     Returns:
         The ``lightning.Trainer``; call its ``fit`` once.
     """
-    outdated = migration.trainer_argument_error(trainer_arguments)
+    outdated = errors.trainer_argument_error(trainer_arguments)
     if outdated:
         raise TpunbError(outdated)
     upstream.check(upstream.LIGHTNING, "tpunb.lightning")

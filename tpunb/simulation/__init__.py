@@ -4,7 +4,7 @@ Each simulated core is a process of its own, as on Kaggle's TPU v5e-8: its rank 
 own ``xla:0``, metrics, counters and random generator.
 
     __init__.py     simulate(cores): the environment torch_xla reads, then the patches
-    tpu_answers.py  what Python asks about the hardware answers a TPU; the runtime the CPU
+    tpu_host.py  what Python asks about the hardware answers a TPU; the runtime the CPU
     rank_processes.py  each rank process set up as a v5e-8's, started by xmp.spawn
     torchrun.py     the ranks torchrun starts, each a rank process too
     host_collectives.py  collectives computed on the host, as XLA defines them
@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 from tpunb import hardware, machine, upstream
 from tpunb.environment import env
 from tpunb.errors import TpunbError, check_count, warn
-from tpunb.simulation import torchrun, tpu_answers
+from tpunb.simulation import torchrun, tpu_host
 from tpunb.upstream import registry, versions
 
 if TYPE_CHECKING:
@@ -55,7 +55,7 @@ def simulate(
     Each core's rank runs in a process of its own, as on Kaggle's TPU v5e-8: each sees its
     own ``xla:0``, metrics and random generator. torch_xla's runtime in each gets the CPU
     client with one device, while what Python asks about the hardware answers a TPU v5e
-    (``tpu_answers.py``), and collectives between the cores work. Graphs compile at XLA's
+    (``tpu_host.py``), and collectives between the cores work. Graphs compile at XLA's
     CPU level ``COMPILE_LEVEL`` unless ``XLA_FLAGS`` sets ``--xla_backend_optimization_level``.
     Call it before anything touches the XLA device.
 
@@ -89,7 +89,7 @@ def simulate(
             "cores can no longer change. Restart the kernel (or Python) and call "
             "tpunb.simulate(...) before anything touches the XLA device."
         )
-    tpu_answers.set_environment(count)
+    tpu_host.set_environment(count)
     # One torch_xla pool thread per replica at least, or collectives cannot complete.
     pool_size = max(16, 2 * count, int(os.environ.get("XLA_THREAD_POOL_SIZE", "0") or 0))
     os.environ["XLA_THREAD_POOL_SIZE"] = str(pool_size)

@@ -52,9 +52,9 @@ from multiprocessing import shared_memory
 import numpy as np
 
 from tpunb.errors import CollectiveMismatch, RankEnded
+from tpunb.reports import ranks_named
 from tpunb.upstream import registry
 from tpunb.watch import collective_calls
-from tpunb.wording.reports import ranks_named
 
 MEETING = "TPUNB_SIMULATION_MEETING"  # "host:port:prefix", set by the launching process
 # The directory, per rank: for each of its two segments the generation and the lengths of

@@ -2,7 +2,7 @@
 ``simulate`` only (refused on a machine with a TPU) and changes one thing, nothing else
 (the XLA strategy, its fork launcher, the sampler it inserts and the gradient all-reduce
 stay Lightning's own): Lightning's ``XLAAccelerator`` counts the TPU chips on PCI through
-torch_xla, which answers the simulated ones (tpu_answers.py), and caches the count: a count
+torch_xla, which answers the simulated ones (tpu_host.py), and caches the count: a count
 taken before ``simulate`` (0: ``Trainer(accelerator="tpu")`` would refuse to start) is
 forgotten.
 

@@ -1,7 +1,7 @@
 """One process a simulated core, as on a TPU v5e-8 (8 processes of one chip each).
 
 Used only under ``tpunb.simulate``. ``simulate`` describes a host whose
-processes hold one chip each (``TPU_PROCESS_BOUNDS``, tpu_answers.py), so torch_xla's own
+processes hold one chip each (``TPU_PROCESS_BOUNDS``, tpu_host.py), so torch_xla's own
 ``xmp.spawn`` starts one process a core (``run_multiprocess``), forked or spawned. Here:
 
 - in the launching process, ``run_multiprocess`` opens the meeting the ranks' collectives
@@ -24,7 +24,7 @@ import functools
 import os
 
 from tpunb.errors import RankEnded
-from tpunb.simulation import host_collectives, host_exchange, tpu_answers
+from tpunb.simulation import host_collectives, host_exchange, tpu_host
 from tpunb.upstream import registry
 
 _PROCESS_RANK, _PROCESS_COUNT = "PJRT_LOCAL_PROCESS_RANK", "PJRT_LOCAL_PROCESS_COUNT"
@@ -86,7 +86,7 @@ def become_rank(local_rank, local_world_size, address=None):
     ``address`` (the launching process's, in the environment, by default)."""
     import torch
 
-    tpu_answers.runtime_reads_cpu()  # one CPU device: this process's chip
+    tpu_host.runtime_reads_cpu()  # one CPU device: this process's chip
     registry.install("v5e_world_and_ordinal", local_world_size, local_rank)
     os.environ.setdefault(_PROCESS_RANK, str(local_rank))
     os.environ.setdefault(_PROCESS_COUNT, str(local_world_size))

@@ -37,10 +37,10 @@ import threading
 import time
 import typing
 
+from tpunb import program_lines
 from tpunb.errors import RankError
+from tpunb.reports import ranks_named
 from tpunb.upstream import registry
-from tpunb.wording import program_lines
-from tpunb.wording.reports import ranks_named
 
 # The collectives of torch_xla.core.xla_model that are recorded: what every other one calls.
 RECORDED = (

@@ -10,7 +10,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 
-from tpunb.wording import reports
+from tpunb import reports
 
 # Steps whose compilations are expected: the sync before the first batch, the first
 # training step, and the second, where optimizers such as Adam add their state.

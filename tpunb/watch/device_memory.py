@@ -70,7 +70,7 @@ def in_words(use: Use) -> str:
     )
 
 
-class Watch:
+class NearLimit:
     """In the notebook: a warning, once a launch, when a core's use passes
     ``NEAR_LIMIT`` of its memory."""
 
