@@ -168,3 +168,14 @@ def test_torch_distributed_counts_its_collectives_and_ddp_bucket_views():
     said = r"rank (\d+): counters (True|False), bucket views train as the CPU (True|False)"
     ranks = sorted(re.findall(said, result.stdout))  # the ranks' prints may interleave
     assert ranks == [("0", "True", "True"), ("1", "True", "True")], result.stdout[-3000:]
+
+
+def test_an_eager_collective_runs_as_one_eager_computation_as_on_a_tpu():
+    result = _simulated([_script("eager_collective.py")])
+    # The 8 processes print to one pipe: a line may land inside another's.
+    said = sorted(
+        re.findall(r"rank \d: TPU, eager executions \d+, lazy \d+, sums \d+ \d+", result.stdout)
+    )
+    # 0 + 1 + ... + 7 = 28, in place in both tensors, one eager execution and no lazy one.
+    expected = "TPU, eager executions 1, lazy 0, sums 28 28"
+    assert said == [f"rank {rank}: {expected}" for rank in range(8)], result.stdout

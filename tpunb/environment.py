@@ -9,6 +9,15 @@ import sys
 from tpunb import hardware, machine, reports
 from tpunb.upstream import versions
 
+# What simulated cores cannot do as a TPU does (torch_xla's CPU runtime cannot), said once
+# here and in docs/simulation.md's table, with the reasons.
+SIMULATED_DIFFERENCES = (
+    "a step's gradient all-reduce runs on the host, so a step runs as 2 graphs (1 on a TPU); "
+    "float32 matmuls run in full float32 (a TPU's default precision rounds their inputs to "
+    "bfloat16: the low bits differ); a saved compilation cache (xr.initialize_cache) is "
+    "never loaded back. More in docs/simulation.md."
+)
+
 
 @dataclasses.dataclass(frozen=True, repr=False)
 class Environment(reports.Report):
@@ -68,7 +77,7 @@ class Environment(reports.Report):
             ("python", self.python),
             ("torch", self.torch or "not installed"),
             ("torch_xla", self.torch_xla or "not installed"),
-        ]
+        ] + ([("unlike a TPU", SIMULATED_DIFFERENCES)] if self.simulated_cores else [])
 
     def _layout_text(self):
         if self.layout is None:

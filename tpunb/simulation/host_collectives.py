@@ -182,9 +182,21 @@ def _tensors(shared, like):
 
 
 def _to_device(tensors):
-    """The host ``tensors`` on this rank's device, in one transfer."""
+    """The host ``tensors`` on this rank's device, in one transfer. In eager mode, where a
+    TPU runs the collective as one eager computation (counted in ``EagerOpExecuteTime``,
+    as pytorch/xla's test_eager_all_reduce_in_place.py checks), they arrive through one too."""
     device = torch_xla._XLAC._xla_get_default_device()
-    return torch_xla._XLAC._xla_tensors_from_aten(tensors, [device] * len(tensors), None)
+    on_device = torch_xla._XLAC._xla_tensors_from_aten(tensors, [device] * len(tensors), None)
+    if not torch_xla._XLAC._get_use_eager_mode():
+        return on_device
+    torch_xla._XLAC._set_use_eager_mode(False)  # traced together, then run as one eager op
+    try:
+        kept = torch.tensor(True, device=device)
+        results = [torch.where(kept, tensor, tensor) for tensor in on_device]
+    finally:
+        torch_xla._XLAC._set_use_eager_mode(True)
+    torch_xla._XLAC._xla_sync_multi(results, [], wait=False)
+    return results
 
 
 @torch.no_grad()

@@ -105,6 +105,8 @@ def global_device_count(_, global_runtime_device_count):
 
     @functools.wraps(global_runtime_device_count)
     def global_device_count():
+        if host_collectives.exchange() is None:  # the launching process: every chip its own
+            return global_runtime_device_count()
         return xr.global_device_count()
 
     return global_device_count

@@ -34,6 +34,7 @@ import functools
 import os
 
 from tpunb import machine
+from tpunb.errors import warn
 from tpunb.upstream import registry
 
 _RUNTIME_DEVICE = "CPU"
@@ -63,20 +64,23 @@ def environment(cores):
 
 
 def set_environment(cores):
-    """Sets ``os.environ`` as ``environment`` says and the runtime's copy to the CPU's.
-    Before torch_xla is imported: it selects a device at import if none is set."""
+    """Sets ``os.environ`` as ``environment`` says and the runtime's copy to the CPU's, with
+    a device a core: a process that starts its runtime itself, not as a rank, drives every
+    chip of the host, as one process on a v5e-8 does (the one process of SPMD). Before
+    torch_xla is imported: it selects a device at import if none is set."""
     registry.install("runtime_on_cpu")
     os.environ.update(environment(cores))
-    runtime_reads_cpu()
+    runtime_reads_cpu(cores)
 
 
-def runtime_reads_cpu():
+def runtime_reads_cpu(devices=1):
     """The C environment, which torch_xla's runtime reads as it starts, selects its CPU
-    client with one device, this process's chip. Called before a launched process starts it."""
+    client with ``devices`` devices: one, this process's chip, in a rank process (called
+    before a launched process starts its runtime)."""
     _putenv("PJRT_DEVICE", _RUNTIME_DEVICE)
     for name in _TPU_RUNTIME_ONLY:
         os.unsetenv(name)
-    os.environ["CPU_NUM_DEVICES"] = "1"
+    os.environ["CPU_NUM_DEVICES"] = str(devices)
 
 
 def putenv_keeping_cpu(_, putenv):
@@ -109,6 +113,28 @@ def simulated_chips(_, num_available_chips):
         return machine.simulation().cores
 
     return simulated
+
+
+# What a program meets only here, said where it meets it: torch_xla's CPU client writes the
+# persistent compilation cache but cannot load it back ("Deserializing serialized executable
+# not supported", PjRtComputationClient::DeserializeComputation in
+# https://github.com/pytorch/xla/blob/v2.9.0/torch_xla/csrc/runtime/pjrt_computation_client.cpp).
+CACHE_NEVER_LOADS = (
+    "xr.initialize_cache({path!r}): on simulated cores the compilation cache is written but "
+    "never loaded back (torch_xla's CPU client cannot deserialize its executables), so every "
+    "run compiles its graphs again. On a TPU the same call loads them: nothing to change."
+)
+
+
+def cache_warning(_, initialize_cache):
+    """The registry's maker for ``xr.initialize_cache``: as torch_xla's, and a warning."""
+
+    @functools.wraps(initialize_cache)
+    def initialize_cache_on_the_cpu(path, readonly=False):
+        warn(CACHE_NEVER_LOADS.format(path=path))
+        return initialize_cache(path, readonly)
+
+    return initialize_cache_on_the_cpu
 
 
 def tpu_hardware(_, xla_device_hw):

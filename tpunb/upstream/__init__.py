@@ -44,6 +44,9 @@ _SIMULATION_READS = {
         "_replace_xla_tensor",  # host_collectives.py: the out= forms
         "_xla_increment_counter",  # the counters a TPU's collectives count
         "_get_tensors_xla_device_data_node",
+        "_get_use_eager_mode",  # host_collectives.py: in eager mode, results arrive through
+        "_set_use_eager_mode",  # one eager computation, as a TPU's collective runs
+        "_xla_sync_multi",
     ),
     "torch_xla.core.xla_model": ("_get_all_reduce_token",),  # functional_collectives.py
     "torch_xla._internal.tpu": ("num_local_processes",),
@@ -107,6 +110,7 @@ SIGNATURES = {
     "torch_xla.core.xla_model.xla_rendezvous": "payload, ordinals, tag",
     "torch_xla.distributed.parallel_loader.PerDeviceLoader.next": "self",
     "torch_xla.runtime.global_device_count": "",
+    "torch_xla.runtime.initialize_cache": "path, readonly",
     "torch_xla.runtime.global_runtime_device_count": "",
     "torch_xla.runtime.process_count": "",
     "torch_xla.runtime.process_index": "",

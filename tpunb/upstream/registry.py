@@ -93,6 +93,8 @@ PATCHES = (
           "tpunb.simulation.tpu_host:simulated_chips", SIMULATION),
     Patch(_XM, ("xla_device_hw",), "tpu_hardware",
           "tpunb.simulation.tpu_host:tpu_hardware", SIMULATION),
+    Patch("torch_xla.runtime", ("initialize_cache",), "cache_never_loads",
+          "tpunb.simulation.tpu_host:cache_warning", SIMULATION),
     Patch("multiprocessing.spawn", ("get_command_line",), "spawned_children_simulate",
           "tpunb.simulation.spawned:command_line_simulating", SIMULATION),
     Patch("multiprocessing.resource_tracker", ("register",), "untracked_shared_memory",
