@@ -34,7 +34,6 @@ import torch_xla.core.xla_model as xm
 import torch_xla.runtime as xr
 
 from tpunb.errors import RankEnded
-from tpunb.upstream import registry
 from tpunb.watch import collective_calls
 from tpunb.watch.collective_calls import identity
 
@@ -83,8 +82,8 @@ def exchange():
 
 def calls_recorded():
     """For the duration: this rank's collective calls go to the meeting's ledger, where the
-    meeting judges them (no launch around the ranks records them itself)."""
-    if _rank.exchange.ledger is None or registry.active("collective_ledger"):
+    meeting judges them (a meeting judges where no launch records the calls itself)."""
+    if _rank.exchange.ledger is None:
         return contextlib.nullcontext()
     return collective_calls.recorded(_rank.record)
 
