@@ -2,13 +2,14 @@ import importlib.metadata
 import os
 import subprocess
 import sys
+import textwrap
 from html import escape
 
 import pytest
 from conftest import run_python
 
 import tpunb
-from tpunb import environment, hardware, machine
+from tpunb import environment, hardware, machine, tpu_holders
 from tpunb.environment import Environment
 from tpunb.machine import Layout
 
@@ -48,7 +49,7 @@ def test_tpu_generation_cores_and_launch_layout_come_from_pci(
         monkeypatch.delenv("TPU_ACCELERATOR_TYPE", raising=False)
     tpu = hardware.detect(_fake_pci(tmp_path, *[device_id] * chips))
     found = Layout(cores=tpu.cores, processes=tpu.chips, tpu=tpu)
-    report = Environment("colab", found, tpu, "3.11", "2.9.0", "2.9.0", False, ())
+    report = Environment("colab", found, tpu, "3.11", "2.9.0", "2.9.0", False, (), ())
     assert (tpu.accelerator_type, report.cores) == (name, cores)
     assert (report.processes, report.threads_per_process) == layout
 
@@ -154,7 +155,15 @@ def test_kaggle_presets_are_flagged_where_a_tpu_would_read_them(tmp_path, monkey
     monkeypatch.setenv("TPU_PROCESS_ADDRESSES", "local")
     tpu = hardware.detect(_fake_pci(tmp_path, *["0x0063"] * 8))  # Kaggle's v5e-8
     report = Environment(
-        "kaggle", Layout(cores=8, processes=8, tpu=tpu), tpu, "3.12", "2.8.0", "2.8.0", False, ()
+        "kaggle",
+        Layout(cores=8, processes=8, tpu=tpu),
+        tpu,
+        "3.12",
+        "2.8.0",
+        "2.8.0",
+        False,
+        (),
+        (),
     )
     assert any("TPU_PROCESS_ADDRESSES='local'" in w for w in environment._warnings(report))
     # simulate() presets them as Kaggle's image does (its notebooks pop them); the
@@ -178,3 +187,48 @@ def test_report_never_starts_the_runtime_and_sees_when_it_was_started():
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip().endswith("False True True")
+
+
+def test_processes_holding_the_tpu_are_named_with_how_to_free_them(tmp_path):
+    # A process that holds a stand-in device file open and libtpu's lock, as a rank left
+    # running by an interrupted xmp.spawn holds the TPU (pytorch/xla #7974).
+    device, lock = tmp_path / "accel0", tmp_path / "libtpu_lockfile"
+    device.write_bytes(b"")
+    holds = f"""
+        import fcntl, sys
+        device = open({str(device)!r})
+        lock = open({str(lock)!r}, "w")
+        fcntl.lockf(lock, fcntl.LOCK_EX)  # as libtpu takes it
+        print("holding", flush=True)
+        sys.stdin.read()
+    """
+    holder = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(holds)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+    )
+    pci = _fake_pci(tmp_path / "pci", *["0x0063"] * 8)  # Kaggle's v5e-8
+    report_on_a_v5e_8 = f"""
+        import functools
+        import tpunb
+        from tpunb import hardware, tpu_holders
+        hardware.detect = functools.partial(hardware.detect, {str(pci)!r})
+        tpu_holders.find = functools.partial(tpu_holders.find, ({str(device)!r},), {str(lock)!r})
+        report = tpunb.env()
+        print([(holder.pid, holder.holds) for holder in report.holders])
+        print(str(report))
+    """
+    try:
+        assert holder.stdout.readline() == b"holding\n"
+        held = tpu_holders.find((str(device),), str(lock))
+        assert [(h.pid, h.holds) for h in held] == [(holder.pid, (str(device), str(lock)))]
+        assert "-c" in held[0].command
+        printed = run_python(report_on_a_v5e_8).stdout
+        assert f"[({holder.pid}, ({str(device)!r}, {str(lock)!r}))]" in printed
+        assert f"!kill -9 {holder.pid}" in printed and "TPU is held by another process" in printed
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=60)
+    assert tpu_holders.find((str(device),), str(lock)) == []
+    printed = run_python(report_on_a_v5e_8).stdout
+    assert "no other process: the TPU is free" in printed and "held by another" not in printed

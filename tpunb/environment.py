@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 
-from tpunb import hardware, machine, reports
+from tpunb import hardware, machine, reports, tpu_holders
 from tpunb.upstream import versions
 
 # What simulated cores cannot do as a TPU does (torch_xla's CPU runtime cannot), said once
@@ -30,6 +30,7 @@ class Environment(reports.Report):
     torch: object  # version string or None
     torch_xla: object  # version string or None
     runtime_started: bool
+    holders: tuple  # tpu_holders.Holder: other processes holding this host's TPU
     warnings: tuple
 
     @property
@@ -68,16 +69,27 @@ class Environment(reports.Report):
         return "no TPU"
 
     def _rows(self):
-        return [
-            ("platform", self.platform),
-            ("accelerator", self.accelerator),
-            ("cores", str(self.cores)),
-            ("launch layout", self._layout_text()),
-            ("XLA runtime started here", "yes" if self.runtime_started else "no"),
-            ("python", self.python),
-            ("torch", self.torch or "not installed"),
-            ("torch_xla", self.torch_xla or "not installed"),
-        ] + ([("unlike a TPU", SIMULATED_DIFFERENCES)] if self.simulated_cores else [])
+        return (
+            [
+                ("platform", self.platform),
+                ("accelerator", self.accelerator),
+                ("cores", str(self.cores)),
+                ("launch layout", self._layout_text()),
+                ("XLA runtime started here", "yes" if self.runtime_started else "no"),
+            ]
+            + ([("TPU held by", self._holders_text())] if self.host_tpu else [])
+            + [
+                ("python", self.python),
+                ("torch", self.torch or "not installed"),
+                ("torch_xla", self.torch_xla or "not installed"),
+            ]
+            + ([("unlike a TPU", SIMULATED_DIFFERENCES)] if self.simulated_cores else [])
+        )
+
+    def _holders_text(self):
+        if not self.holders:
+            return "no other process: the TPU is free"
+        return "; ".join(holder.describe() for holder in self.holders)
 
     def _layout_text(self):
         if self.layout is None:
@@ -103,12 +115,23 @@ def env() -> Environment:
         torch=versions.installed("torch"),
         torch_xla=versions.installed("torch_xla"),
         runtime_started=machine.runtime_started(),
+        holders=(),
         warnings=(),
     )
+    if report.host_tpu is not None:  # without a TPU, /dev/vfio is some other device's
+        report = dataclasses.replace(report, holders=tuple(tpu_holders.find()))
     return dataclasses.replace(report, warnings=tuple(_warnings(report)))
 
 
 def _warnings(report):
+    if report.holders:
+        yield tpu_holders.advice(report.holders)
+    stale = tpu_holders.unopenable_lock_file() if report.host_tpu else None
+    if stale:
+        yield (
+            f"libtpu's lock file {stale} was left by another user's process, and this user "
+            f"cannot open it, so libtpu cannot start here: remove it (!sudo rm {stale})."
+        )
     if report.runtime_started:
         yield (
             "The XLA runtime already runs in this process (the device was used before a "
