@@ -148,8 +148,10 @@ class _WatchedXLALauncher(_XLALauncher):
                 "This trainer has already run fit(), and Lightning's fork launcher cannot fit "
                 "the same Trainer twice "
                 "(https://github.com/Lightning-AI/pytorch-lightning/issues/18775). Build a new "
-                "one with tpunb.lightning.trainer(...) and call its fit(): the model keeps the "
-                "weights trained so far, so training continues from them."
+                "one with tpunb.lightning.trainer(...). Its fit(model, ...) starts from the "
+                "model's trained weights but with a new optimizer and epoch 0; to resume "
+                "the optimizer's state and the epoch too, give it a checkpoint: "
+                "fit(model, ..., ckpt_path=...) (ModelCheckpoint(save_last=True) writes one)."
             )
         preflight.check_runtime_not_started()
         ranks = _LightningRanks(self, function, args, trainer, kwargs)

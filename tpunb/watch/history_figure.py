@@ -53,11 +53,14 @@ def history_figure(
             bottom=0.5 / height,
             hspace=0.85 / (panel_height - 0.85),
         )
+    from matplotlib.ticker import MaxNLocator
+
     epoch_starts = history.epoch_starts()
     for ax, (name, draw) in zip(axes, panels, strict=True):
         draw(ax, history, name)
         ax.grid(alpha=0.3)
-        ax.set_xlim(left=0)
+        ax.set_xlim(left=-0.6)  # step 0's bar whole
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are counted
         _mark_epochs(ax, epoch_starts)
     _core_legend(figure, history.ranks, "upper center" if fixed_layout else "outside upper center")
     return figure
@@ -133,17 +136,25 @@ def _draw_values(ax, history, name):
 
 
 def _draw_throughput(ax, history, _name):
+    """Each core's rate on the left axis, where the cores' lines can be told apart; all the
+    cores' on the right, scaled by the core count so that it lies on the cores' mean."""
     colors = _core_colors(history.ranks)
+    top = 0.0
     for rank in range(history.ranks):
-        ax.plot(*history.samples_per_second(rank), color=colors[rank], lw=0.8, alpha=0.5)
-    ax.plot(*history.samples_per_second(), color="black", lw=1.6, label="all cores")
+        steps, rates = history.samples_per_second(rank)
+        ax.plot(steps, rates, color=colors[rank], lw=1.0, alpha=0.8)
+        top = max([top, *rates])
     ax.set(
         title=f"samples/s, each the mean of the last {history.rate_over} steps "
-        "(thin: each core; black: all cores)",
+        "(colours: each core, left; black: all cores, right)",
         xlabel=STEP,
-        ylabel="samples/s",
-        ylim=(0, None),
+        ylabel="samples/s per core",
+        ylim=(0, top * 1.1 or 1),
     )
+    total = ax.twinx()
+    total.plot(*history.samples_per_second(), color="black", lw=1.4, alpha=0.7)
+    total.set_ylim(0, (top * 1.1 or 1) * history.ranks)
+    total.set_ylabel("samples/s, all cores")
 
 
 def _draw_compiles(ax, history, _name):
@@ -166,9 +177,19 @@ def _draw_compiles(ax, history, _name):
     ):
         if bars:  # one bar a step that compiled: a few patches, however long the run
             x, n, bottom = zip(*bars, strict=True)
-            drawn = ax.bar(x, n, bottom=bottom, color=color, width=width, label=label)
-            if len(bars) <= 30:
-                ax.bar_label(drawn, fontsize=7, padding=1)
+            ax.bar(x, n, bottom=bottom, color=color, width=width, label=label)
+    compiled = [at for at in per_step if at.compiles]
+    if len(compiled) <= 30:  # each step's count over its bar (its parts would overlap)
+        for at in compiled:
+            ax.annotate(
+                str(at.compiles),
+                (at.step, at.compiles),
+                xytext=(0, 1),
+                textcoords="offset points",
+                ha="center",
+                va="bottom",
+                fontsize=7,
+            )
     ax.set(title="graphs compiled per training step (per process)", xlabel=STEP, ylabel="graphs")
     ax.margins(y=0.2)
     twin = ax.twinx()
