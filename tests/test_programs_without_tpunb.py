@@ -2,6 +2,7 @@
 through ``python -m tpunb.simulate`` (spawn start method), a plain ``xmp.spawn`` after
 ``tpunb.simulate()``, and a Kaggle notebook through ``pytest --tpunb-simulate``."""
 
+import json
 import os
 import re
 import shutil
@@ -166,3 +167,29 @@ def test_send_and_recv_through_torch_distributed_pair_the_ranks_they_name():
     assert "Ranks 0 and 1 cannot pair up: rank 0 sent collective_permute(float32[2, 4]" in (
         result.stderr
     ), result.stderr[-3000:]
+
+
+@pytest.mark.pair("kaggle", reason="a Kaggle notebook, on Kaggle's torch_xla")
+def test_a_notebook_saved_with_outputs_but_no_execution_counts_runs(tmp_path):
+    # As some notebook services export them, and as a cell run alone leaves it: outputs,
+    # no execution count. nbval refuses such cells ("Unrun reference cell has outputs"),
+    # though under --nbval-lax it would not compare their outputs.
+    notebook = json.loads(open(os.path.join(THIRD_PARTY, "kaggle_ddp.ipynb")).read())
+    code = [cell for cell in notebook["cells"] if cell["cell_type"] == "code"]
+    for cell in code:
+        if "NBVAL_CHECK_OUTPUT" not in "".join(cell["source"]):
+            cell["execution_count"] = None
+            cell["outputs"] = cell["outputs"] or [
+                {"output_type": "stream", "name": "stdout", "text": ["saved on a TPU\n"]}
+            ]
+            for output in cell["outputs"]:
+                output.pop("execution_count", None)
+    (tmp_path / "exported.ipynb").write_text(json.dumps(notebook))
+    result = _pytest(["--nbval-lax", "--tpunb-simulate=8", "exported.ipynb"], tmp_path)
+    assert result.returncode == 0 and "4 passed" in result.stdout, result.stdout[-3000:]
+    assert "tpunb: 3 cell(s) saved with outputs but no execution count ran" in result.stdout
+    # A cell whose outputs nbval compares (NBVAL_CHECK_OUTPUT) keeps nbval's error.
+    code[-1]["execution_count"] = None
+    (tmp_path / "exported.ipynb").write_text(json.dumps(notebook))
+    result = _pytest(["--nbval-lax", "--tpunb-simulate=8", "exported.ipynb"], tmp_path)
+    assert result.returncode == 1 and "Unrun reference cell has outputs" in result.stdout
