@@ -15,11 +15,7 @@ is there in every pytest run and does nothing until the option is given. With it
 
 import pytest
 
-_SIMULATE_IN_KERNEL = """\
-import tpunb.simulation as __tpunb_simulation
-__tpunb_simulation.simulate(cores={cores}, instead_of_tpu={instead_of_tpu})
-del __tpunb_simulation
-"""
+from tpunb import notebook_run
 
 
 def pytest_addoption(parser):
@@ -94,24 +90,11 @@ def pytest_runtest_setup(item):
     kernel = getattr(notebook, "kernel", None)
     if cores is None or kernel is None or getattr(notebook, "tpunb_simulated", None) is kernel:
         return
-    code = _SIMULATE_IN_KERNEL.format(
+    code = notebook_run.SIMULATE_IN_KERNEL.format(
         cores=cores,
         instead_of_tpu=item.config.getoption("tpunb_instead_of_tpu"),
     )
-    error = _run_in_kernel(kernel, code)
+    error = notebook_run.run_in_kernel(kernel.kc, code)
     if error:
         pytest.fail(f"--tpunb-simulate={cores} failed in the notebook's kernel: {error}")
     notebook.tpunb_simulated = kernel
-
-
-def _run_in_kernel(kernel, code, timeout=300):
-    """Runs ``code`` in nbval's kernel, with no output; returns its error text, if any."""
-    message_id = kernel.kc.execute(code, silent=True, store_history=False, allow_stdin=False)
-    while True:
-        reply = kernel.kc.get_shell_msg(timeout=timeout)
-        if reply["parent_header"].get("msg_id") == message_id:
-            break
-    content = reply["content"]
-    if content["status"] == "ok":
-        return None
-    return f"{content.get('ename')}: {content.get('evalue')}"

@@ -1,5 +1,6 @@
 """``python -m tpunb.simulate [--cores N] script.py [args]``: runs a TPU script unchanged on
-N TPU cores simulated on the CPU.
+N TPU cores simulated on the CPU; ``notebook.ipynb`` instead runs a TPU notebook, cell by
+cell, in a Jupyter kernel that simulates them (notebook_run.py).
 
 The script runs as ``python script.py [args]`` would run it, after ``tpunb.simulate(N)``:
 its ``torch_xla.launch`` or ``xmp.spawn`` starts the ranks on the simulated cores, with
@@ -13,7 +14,7 @@ import runpy
 import sys
 import types
 
-from tpunb import simulation
+from tpunb import notebook_run, simulation
 from tpunb.errors import TpunbError
 
 
@@ -30,7 +31,12 @@ def main(argv=None):
         help="simulate even on a machine with a TPU (on its CPU, far slower)",
     )
     parser.add_argument("-m", dest="module", help="run a module, as python -m does")
-    parser.add_argument("script", nargs="?", help="the script to run, as python would")
+    parser.add_argument(
+        "script",
+        nargs="?",
+        help="the script to run, as python would; or a notebook (.ipynb) to run cell by cell "
+        "(exit status 0: every cell ran; 3: a cell raised)",
+    )
     parser.add_argument("args", nargs=argparse.REMAINDER, help="the script's arguments")
     argv = sys.argv[1:] if argv is None else list(argv)
     at = _module_option(argv)
@@ -43,6 +49,10 @@ def main(argv=None):
         parser.error("give the script to run (or -m module)")
     if options.module is None and not os.path.isfile(options.script):
         parser.error(f"no such script: {options.script}")
+    if options.module is None and options.script.endswith(".ipynb"):
+        if options.args:
+            parser.error("a notebook takes no arguments")
+        sys.exit(notebook_run.run(options.script, options.cores, options.instead_of_tpu))
     try:
         simulation.simulate(cores=options.cores, instead_of_tpu=options.instead_of_tpu)
     except TpunbError as error:

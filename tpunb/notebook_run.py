@@ -1,0 +1,112 @@
+"""``python -m tpunb.simulate notebook.ipynb``: a TPU notebook run top to bottom, unchanged,
+in a Jupyter kernel that simulates the TPU's cores, a line a cell as it goes.
+
+The kernel is the one Jupyter starts for this Python (``python3``), so it has this
+environment's torch_xla and tpunb; it simulates the cores before the notebook's first cell,
+as ``pytest --tpunb-simulate`` does for nbval's kernels. Nothing is downloaded: an install
+cell (``%pip install``, ``!pip install``) gets what is already installed and fails at once
+for anything else, and the run goes on. The run stops at the first cell that raises, as
+the notebook would on a TPU.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+# Run in a kernel before the notebook's first cell (and by pytest's plugin in nbval's).
+SIMULATE_IN_KERNEL = """\
+import tpunb.simulation as __tpunb_simulation
+__tpunb_simulation.simulate(cores={cores}, instead_of_tpu={instead_of_tpu})
+del __tpunb_simulation
+"""
+
+# What pip prints when the package index is out of reach (here: PIP_NO_INDEX).
+_PIP_WITHOUT_NETWORK = ("No matching distribution found", "Could not find a version that")
+
+RAN, RAISED = 0, 3  # exit statuses; argparse's usage errors are 2
+
+
+def run(path: str, cores: int, instead_of_tpu: bool = False, out=sys.stdout) -> int:
+    """Runs the notebook at ``path`` on ``cores`` simulated cores; prints a line a cell and
+    returns the exit status: ``RAN`` when every cell ran, ``RAISED`` when one raised."""
+    try:
+        import nbformat
+        from nbclient import NotebookClient
+        from nbclient.exceptions import CellExecutionError
+    except ImportError:
+        out.write(
+            "python -m tpunb.simulate runs notebooks with nbclient: pip install nbclient "
+            "ipykernel\n"
+        )
+        return RAISED
+    notebook = nbformat.read(path, as_version=4)
+    code = [i for i, cell in enumerate(notebook.cells) if cell.cell_type == "code"]
+    folder = os.path.dirname(os.path.abspath(path))
+    # The kernel, and the pip it runs, inherit this: installs fail at once without a network.
+    os.environ["PIP_NO_INDEX"] = "1"
+    client = NotebookClient(
+        notebook, kernel_name="python3", timeout=None, resources={"metadata": {"path": folder}}
+    )
+    start = time.monotonic()
+    out.write(f"{os.path.basename(path)}: {len(code)} code cells on {cores} simulated cores\n")
+    with client.setup_kernel():
+        error = run_in_kernel(
+            client.kc, SIMULATE_IN_KERNEL.format(cores=cores, instead_of_tpu=instead_of_tpu)
+        )
+        if error:
+            out.write(f"could not simulate {cores} cores in the kernel: {error}\n")
+            return RAISED
+        for done, index in enumerate(code, 1):
+            cell = notebook.cells[index]
+            began = time.monotonic()
+            try:
+                client.execute_cell(cell, index)
+            except CellExecutionError as failure:
+                out.write(_line(done, len(code), index, cell, began, "raised"))
+                out.write(_indented(str(failure).strip().splitlines()[-1]) + "\n")
+                out.write(f"stopped at cell {index + 1}: the cells after it did not run\n")
+                return RAISED
+            offline = _pip_without_network(cell)
+            out.write(_line(done, len(code), index, cell, began, "ok"))
+            if offline:
+                out.write(_indented(f"pip cannot reach the network here: {offline}") + "\n")
+    out.write(f"every cell ran, in {time.monotonic() - start:.0f} s\n")
+    return RAN
+
+
+def run_in_kernel(kc, code, timeout=300):
+    """Runs ``code`` in the kernel behind client ``kc``, with no output; returns its error
+    text, if any."""
+    message_id = kc.execute(code, silent=True, store_history=False, allow_stdin=False)
+    while True:
+        reply = kc.get_shell_msg(timeout=timeout)
+        if reply["parent_header"].get("msg_id") == message_id:
+            break
+    content = reply["content"]
+    if content["status"] == "ok":
+        return None
+    return f"{content.get('ename')}: {content.get('evalue')}"
+
+
+def _line(done, total, index, cell, began, outcome):
+    first = next((line for line in cell.source.splitlines() if line.strip()), "")
+    first = first if len(first) <= 50 else first[:47] + "..."
+    seconds = time.monotonic() - began
+    progress = f"[{done:{len(str(total))}}/{total}]"
+    return f"{progress} cell {index + 1:<3} {outcome:<6} {seconds:5.1f} s  {first}\n"
+
+
+def _indented(text):
+    return "      " + text
+
+
+def _pip_without_network(cell):
+    """The line of pip's output saying what it could not install offline, if any."""
+    for output in cell.get("outputs", []):
+        text = "".join(output.get("text", ""))
+        for line in text.splitlines():
+            if any(sign in line for sign in _PIP_WITHOUT_NETWORK):
+                return line.removeprefix("ERROR: ").strip()
+    return None
