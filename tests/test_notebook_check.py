@@ -54,10 +54,14 @@ def test_a_notebook_runs_cell_by_cell_on_simulated_cores(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
     lines = result.stdout.splitlines()
     assert lines[0] == "kaggle.ipynb: 4 code cells on 4 simulated cores"
-    assert [line.split()[3] for line in lines[1:] if line.startswith("[")] == ["ok"] * 4
+    progress = [line for line in lines[1:] if line.startswith("[")]
+    assert [tuple(line.split()[2:4]) for line in progress] == [(str(n), "ok") for n in range(1, 5)]
+    # Each line shows the notebook's own cell: its first line.
+    assert "%pip install --quiet" in progress[0] and "import torch_xla" in progress[3]
     # The install of a missing package failed at once, said so, and the run went on.
     assert "pip cannot reach the network here" in result.stdout
-    assert "a-package-that-is-not-installed-here" in result.stdout
+    assert "the requirement a-package-that-is-not-installed-here" in result.stdout
+    assert "\x1b[" not in result.stdout  # no terminal colours
     assert lines[-1].startswith("every cell ran")
     # Each of the 4 ranks ran in the notebook's folder and saw 4 cores.
     assert sorted(os.listdir(tmp_path)) == ["kaggle.ipynb"] + [f"rank{r}.txt" for r in range(4)]

@@ -12,6 +12,7 @@ the notebook would on a TPU.
 from __future__ import annotations
 
 import os
+import re
 import sys
 import time
 
@@ -51,13 +52,20 @@ def run(path: str, cores: int, instead_of_tpu: bool = False, out=sys.stdout) -> 
     )
     start = time.monotonic()
     out.write(f"{os.path.basename(path)}: {len(code)} code cells on {cores} simulated cores\n")
+    simulating = nbformat.v4.new_code_cell(
+        SIMULATE_IN_KERNEL.format(cores=cores, instead_of_tpu=instead_of_tpu)
+    )
     with client.setup_kernel():
-        error = run_in_kernel(
-            client.kc, SIMULATE_IN_KERNEL.format(cores=cores, instead_of_tpu=instead_of_tpu)
-        )
-        if error:
-            out.write(f"could not simulate {cores} cores in the kernel: {error}\n")
+        # A cell of its own, first, out of the notebook's history (its cells count from 1,
+        # as on a TPU); nbclient keeps what it runs in the notebook, so it goes after.
+        notebook.cells.insert(0, simulating)
+        try:
+            client.execute_cell(simulating, 0, store_history=False)
+        except CellExecutionError as failure:
+            out.write(f"could not simulate {cores} cores in the kernel: {_plain(failure)}\n")
             return RAISED
+        finally:
+            del notebook.cells[0]
         for done, index in enumerate(code, 1):
             cell = notebook.cells[index]
             began = time.monotonic()
@@ -65,7 +73,7 @@ def run(path: str, cores: int, instead_of_tpu: bool = False, out=sys.stdout) -> 
                 client.execute_cell(cell, index)
             except CellExecutionError as failure:
                 out.write(_line(done, len(code), index, cell, began, "raised"))
-                out.write(_indented(str(failure).strip().splitlines()[-1]) + "\n")
+                out.write(_indented(_plain(failure).strip().splitlines()[-1]) + "\n")
                 out.write(f"stopped at cell {index + 1}: the cells after it did not run\n")
                 return RAISED
             offline = _pip_without_network(cell)
@@ -76,26 +84,17 @@ def run(path: str, cores: int, instead_of_tpu: bool = False, out=sys.stdout) -> 
     return RAN
 
 
-def run_in_kernel(kc, code, timeout=300):
-    """Runs ``code`` in the kernel behind client ``kc``, with no output; returns its error
-    text, if any."""
-    message_id = kc.execute(code, silent=True, store_history=False, allow_stdin=False)
-    while True:
-        reply = kc.get_shell_msg(timeout=timeout)
-        if reply["parent_header"].get("msg_id") == message_id:
-            break
-    content = reply["content"]
-    if content["status"] == "ok":
-        return None
-    return f"{content.get('ename')}: {content.get('evalue')}"
-
-
 def _line(done, total, index, cell, began, outcome):
     first = next((line for line in cell.source.splitlines() if line.strip()), "")
     first = first if len(first) <= 50 else first[:47] + "..."
     seconds = time.monotonic() - began
     progress = f"[{done:{len(str(total))}}/{total}]"
     return f"{progress} cell {index + 1:<3} {outcome:<6} {seconds:5.1f} s  {first}\n"
+
+
+def _plain(text):
+    """Text without the terminal colours of IPython's tracebacks and pip's errors."""
+    return re.sub(r"\x1b\[[\d;]*m", "", str(text))
 
 
 def _indented(text):
@@ -105,7 +104,7 @@ def _indented(text):
 def _pip_without_network(cell):
     """The line of pip's output saying what it could not install offline, if any."""
     for output in cell.get("outputs", []):
-        text = "".join(output.get("text", ""))
+        text = _plain("".join(output.get("text", "")))
         for line in text.splitlines():
             if any(sign in line for sign in _PIP_WITHOUT_NETWORK):
                 return line.removeprefix("ERROR: ").strip()

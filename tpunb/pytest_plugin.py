@@ -94,7 +94,21 @@ def pytest_runtest_setup(item):
         cores=cores,
         instead_of_tpu=item.config.getoption("tpunb_instead_of_tpu"),
     )
-    error = notebook_run.run_in_kernel(kernel.kc, code)
+    error = _run_in_kernel(kernel, code)
     if error:
         pytest.fail(f"--tpunb-simulate={cores} failed in the notebook's kernel: {error}")
     notebook.tpunb_simulated = kernel
+
+
+def _run_in_kernel(kernel, code, timeout=300):
+    """Runs ``code`` in nbval's kernel (its client blocks), with no output; returns its
+    error text, if any."""
+    message_id = kernel.kc.execute(code, silent=True, store_history=False, allow_stdin=False)
+    while True:
+        reply = kernel.kc.get_shell_msg(timeout=timeout)
+        if reply["parent_header"].get("msg_id") == message_id:
+            break
+    content = reply["content"]
+    if content["status"] == "ok":
+        return None
+    return f"{content.get('ename')}: {content.get('evalue')}"
