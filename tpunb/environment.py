@@ -89,7 +89,7 @@ class Environment(reports.Report):
     def _holders_text(self):
         if not self.holders:
             return "no other process: the TPU is free"
-        return "; ".join(holder.describe() for holder in self.holders)
+        return tpu_holders.described(self.holders)
 
     def _layout_text(self):
         if self.layout is None:
@@ -126,12 +126,6 @@ def env() -> Environment:
 def _warnings(report):
     if report.holders:
         yield tpu_holders.advice(report.holders)
-    stale = tpu_holders.unopenable_lock_file() if report.host_tpu else None
-    if stale:
-        yield (
-            f"libtpu's lock file {stale} was left by another user's process, and this user "
-            f"cannot open it, so libtpu cannot start here: remove it (!sudo rm {stale})."
-        )
     if report.runtime_started:
         yield (
             "The XLA runtime already runs in this process (the device was used before a "

@@ -70,14 +70,9 @@ def find(
     ]
 
 
-def unopenable_lock_file(lock_file: str = LOCK_FILE) -> str | None:
-    """The lock file, where a process of another user left it and this user cannot open it
-    to take the lock (libtpu then fails: "Internal error when accessing libtpu multi-process
-    lockfile"); else None. A lock file that this user can open is harmless: the lock went
-    with the process that held it."""
-    if os.path.exists(lock_file) and not os.access(lock_file, os.R_OK | os.W_OK):
-        return lock_file
-    return None
+def described(holders) -> str:
+    """Who holds the TPU, and what of it, in a line."""
+    return "; ".join(holder.describe() for holder in holders)
 
 
 def advice(holders: list[Holder]) -> str:
@@ -85,7 +80,7 @@ def advice(holders: list[Holder]) -> str:
     pids = " ".join(str(holder.pid) for holder in holders)
     return (
         "The TPU is held by another process: "
-        + "; ".join(holder.describe() for holder in holders)
+        + described(holders)
         + ". A launch here would fail (libtpu: 'The TPU is already in use by process with "
         "pid ...'). If these are ranks left by an interrupted launch "
         f"(pytorch/xla #7974), end them in a cell: !kill -9 {pids}; then tpunb.env() shows "
