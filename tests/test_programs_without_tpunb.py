@@ -131,6 +131,8 @@ def test_a_kaggle_notebook_runs_unchanged_in_ci_through_the_pytest_option(tmp_pa
     shutil.copy(os.path.join(THIRD_PARTY, "kaggle_ddp.ipynb"), tmp_path)
     result = _pytest(["--nbval-lax", "--tpunb-simulate=8", "kaggle_ddp.ipynb"], tmp_path)
     assert result.returncode == 0 and "4 passed" in result.stdout, result.stdout[-3000:]
+    # torch_xla's DDP recipe, done right: the report finds nothing.
+    assert "tpunb's report (1 launch watched): nothing found that a TPU" in result.stdout
     # Without the option there is no TPU here, nor the variables Kaggle's image presets.
     result = _pytest(["--nbval-lax", "kaggle_ddp.ipynb"], tmp_path)
     assert result.returncode == 1 and "KeyError" in result.stdout
@@ -143,10 +145,26 @@ def test_plain_tests_of_tpu_code_run_on_the_simulated_cores(tmp_path):
         "def _world(index):\n"
         "    assert xr.world_size() == 8\n\n\n"
         "def test_every_core():\n"
-        "    xmp.spawn(_world, start_method='fork')\n"
+        "    xmp.spawn(_world, start_method='fork')\n\n\n"
+        "def _read_whole(index):\n"
+        "    import torch\n"
+        "    from torch.utils.data import DataLoader\n\n"
+        "    for batch in DataLoader(torch.arange(32.0), batch_size=4):\n"
+        "        pass\n\n\n"
+        "def test_every_core_reads_the_data():\n"
+        "    xmp.spawn(_read_whole, start_method='fork')\n"
     )
     result = _pytest(["--tpunb-simulate=8", "test_tpu_code.py"], tmp_path)
-    assert result.returncode == 0 and "1 passed" in result.stdout, result.stdout[-3000:]
+    assert result.returncode == 0 and "2 passed" in result.stdout, result.stdout[-3000:]
+    # The session ends with the report: the second test's loader, read whole by every core.
+    report = result.stdout[result.stdout.index("tpunb's report") :].splitlines()
+    assert report[0] == "tpunb's report (2 launches watched): what a TPU would meet, and the fix"
+    tests = tmp_path / "test_tpu_code.py"
+    assert report[1].startswith(
+        f"  1. xmp.spawn at {tests}, line 22: the DataLoader built at {tests}, line 17 gave "
+        "every one of the 8 cores the same batches (its sampler: SequentialSampler)"
+    ), report
+    assert len(report) == 2 or not report[2].startswith("  2."), report
     result = _pytest(["--tpunb-simulate=0", "test_tpu_code.py"], tmp_path)
     assert result.returncode == 4 and "--tpunb-simulate=0" in result.stderr, result.stderr
 

@@ -26,7 +26,10 @@ del __tpunb_simulation
 # What pip prints when the package index is out of reach (here: PIP_NO_INDEX).
 _PIP_WITHOUT_NETWORK = ("No matching distribution found", "Could not find a version that")
 
-RAN, RAISED = 0, 3  # exit statuses; argparse's usage errors are 2
+# Exit statuses: every cell (or the script) ran and the report found nothing; a cell or the
+# script raised; everything ran and the report found what a TPU would meet. argparse's usage
+# errors are 2.
+RAN, RAISED, FOUND = 0, 3, 4
 
 
 def run(path: str, cores: int, instead_of_tpu: bool = False, out=sys.stdout) -> int:
@@ -74,7 +77,7 @@ def run(path: str, cores: int, instead_of_tpu: bool = False, out=sys.stdout) -> 
             except CellExecutionError as failure:
                 out.write(_line(done, len(code), index, cell, began, "raised"))
                 out.write(_indented(_plain(failure).strip().splitlines()[-1]) + "\n")
-                out.write(f"stopped at cell {index + 1}: the cells after it did not run\n")
+                out.write(f"stopped at {_name(cell, index)}: the cells after it did not run\n")
                 return RAISED
             offline = _pip_without_network(cell)
             out.write(_line(done, len(code), index, cell, began, "ok"))
@@ -89,7 +92,12 @@ def _line(done, total, index, cell, began, outcome):
     first = first if len(first) <= 50 else first[:47] + "..."
     seconds = time.monotonic() - began
     progress = f"[{done:{len(str(total))}}/{total}]"
-    return f"{progress} cell {index + 1:<3} {outcome:<6} {seconds:5.1f} s  {first}\n"
+    return f"{progress} {_name(cell, index):<7} {outcome:<6} {seconds:5.1f} s  {first}\n"
+
+
+def _name(cell, index):
+    """The cell as IPython names it, as the report and tracebacks do: "In[4]"."""
+    return f"In[{cell.get('execution_count') or index + 1}]"
 
 
 def _plain(text):

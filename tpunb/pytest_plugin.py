@@ -10,8 +10,13 @@ is there in every pytest run and does nothing until the option is given. With it
   never heard of tpunb, runs unchanged: CI for TPU notebooks;
 - a notebook as it is often saved runs: a cell with outputs but no execution count (run
   alone after the others, or exported so by a notebook service) runs like the others
-  where nbval would not compare its outputs anyway (``--nbval-lax``).
+  where nbval would not compare its outputs anyway (``--nbval-lax``);
+- the plain launches (``xmp.spawn``, ``torch_xla.launch``) of the tests and notebooks are
+  watched, and the session ends with tpunb's report of what a TPU would meet
+  (``simulation/pitfalls.py``).
 """
+
+import contextlib
 
 import pytest
 
@@ -40,8 +45,14 @@ def pytest_configure(config):
     if cores is None:
         return
     from tpunb.errors import TpunbError
-    from tpunb.simulation import simulate
+    from tpunb.simulation import pitfalls, simulate
 
+    # The report's folder, named in the environment before the simulation and nbval's
+    # kernels start: the plain launches of the tests and of the notebooks' cells are
+    # watched for it, and it is printed at the end (pytest_terminal_summary).
+    report = config.stash[_REPORT] = contextlib.ExitStack()
+    config.stash[_REPORT_FOLDER] = report.enter_context(pitfalls.folder())
+    config.add_cleanup(report.close)
     try:
         simulate(
             cores=cores,
@@ -73,7 +84,18 @@ def pytest_collection_modifyitems(config, items):
 _UNRUN_CELLS = pytest.StashKey[int]()
 
 
+_REPORT = pytest.StashKey[contextlib.ExitStack]()
+_REPORT_FOLDER = pytest.StashKey[str]()
+
+
 def pytest_terminal_summary(terminalreporter, config):
+    folder = config.stash.get(_REPORT_FOLDER, None)
+    if folder is not None:
+        from tpunb.simulation import pitfalls
+
+        terminalreporter.section("tpunb: what a TPU would meet")
+        for line in pitfalls.report_lines(folder):
+            terminalreporter.write_line(line)
     ran = config.stash.get(_UNRUN_CELLS, 0)
     if ran:
         terminalreporter.write_line(

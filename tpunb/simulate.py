@@ -12,10 +12,12 @@ import argparse
 import os
 import runpy
 import sys
+import traceback
 import types
 
 from tpunb import notebook_run, simulation
 from tpunb.errors import TpunbError
+from tpunb.simulation import pitfalls
 
 
 def main(argv=None):
@@ -34,8 +36,10 @@ def main(argv=None):
     parser.add_argument(
         "script",
         nargs="?",
-        help="the script to run, as python would; or a notebook (.ipynb) to run cell by cell "
-        "(exit status 0: every cell ran; 3: a cell raised)",
+        help="the script to run, as python would; or a notebook (.ipynb) to run cell by cell. "
+        "Exit status: 0, it ran and the report found nothing; 4, it ran and the report "
+        "found what a TPU would meet; 3, a cell raised (a script that raised: 1, or the status "
+        "it exited with, as python's)",
     )
     parser.add_argument("args", nargs=argparse.REMAINDER, help="the script's arguments")
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -49,22 +53,44 @@ def main(argv=None):
         parser.error("give the script to run (or -m module)")
     if options.module is None and not os.path.isfile(options.script):
         parser.error(f"no such script: {options.script}")
-    if options.module is None and options.script.endswith(".ipynb"):
-        if options.args:
-            parser.error("a notebook takes no arguments")
-        sys.exit(notebook_run.run(options.script, options.cores, options.instead_of_tpu))
+    with pitfalls.folder() as report:
+        if options.module is None and options.script.endswith(".ipynb"):
+            if options.args:
+                parser.error("a notebook takes no arguments")
+            ran = notebook_run.run(options.script, options.cores, options.instead_of_tpu)
+        else:
+            ran = _run_program(parser, options)
+        lines = pitfalls.report_lines(report)
+        print("\n".join(lines), flush=True)
+        found = bool(pitfalls.report(report)[1])
+    sys.exit(ran if ran != notebook_run.RAN or not found else notebook_run.FOUND)
+
+
+def _run_program(parser, options):
+    """Runs the script or module on the simulated cores; returns RAN, or the exit status
+    python would give it (1 where it raised, its own where it exited)."""
     try:
         simulation.simulate(cores=options.cores, instead_of_tpu=options.instead_of_tpu)
     except TpunbError as error:
         parser.exit(2, f"python -m tpunb.simulate: {error}\n")
-    if options.module is not None:
-        args = [options.script, *options.args] if options.script else options.args
-        sys.argv = [options.module, *args]
-        runpy.run_module(options.module, run_name="__main__", alter_sys=True)
-    else:
-        sys.argv = [options.script, *options.args]
-        sys.path.insert(0, os.path.dirname(os.path.abspath(options.script)))
-        runpy.run_path(options.script, run_name="__main__")
+    try:
+        if options.module is not None:
+            args = [options.script, *options.args] if options.script else options.args
+            sys.argv = [options.module, *args]
+            runpy.run_module(options.module, run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = [options.script, *options.args]
+            sys.path.insert(0, os.path.dirname(os.path.abspath(options.script)))
+            runpy.run_path(options.script, run_name="__main__")
+    except SystemExit as exit:
+        if isinstance(exit.code, str):
+            print(exit.code, file=sys.stderr)
+        if exit.code not in (None, 0):
+            return exit.code if isinstance(exit.code, int) else 1
+    except BaseException:
+        traceback.print_exc()
+        return 1  # as python's own, for an uncaught exception
+    return notebook_run.RAN
 
 
 def _module_option(argv):

@@ -54,6 +54,11 @@ def unregister(key: int) -> Job:
     return _jobs.pop(key)
 
 
+def launching() -> bool:
+    """Whether a ``tpunb.launch`` is under way in this process (its ranks are its own)."""
+    return bool(_jobs)
+
+
 def registered(key: int) -> Job:
     """The registered job ``key``: what its launcher hands its ranks."""
     return _jobs[key]

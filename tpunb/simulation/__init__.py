@@ -104,9 +104,11 @@ def simulate(
     scopes = (registry.SIMULATION, registry.LAUNCH)
     upstream.check(upstream.SIMULATION, "tpunb.simulate", scopes)
 
-    from tpunb.simulation import functional_collectives, lightning
+    from tpunb.simulation import functional_collectives, lightning, pitfalls
 
     registry.install_simulation()
+    if pitfalls.reporting():
+        pitfalls.install()
     functional_collectives.register_kernels()
     lightning.install()
     machine.set_simulation(machine.Simulation(count, instead_of_tpu))

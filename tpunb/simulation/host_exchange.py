@@ -111,6 +111,7 @@ class Meeting:
         self.address = f"127.0.0.1:{self.store.port}:{self.prefix}"
         self.ranks = ranks
         self.judging = judging
+        self.verdict = None  # the judge's words on ranks whose calls could never meet
         self.store.set("judging", b"1" if judging else b"")
         self._closed = threading.Event()
         self._watch = threading.Thread(target=self._watch_the_ranks, daemon=True)
@@ -141,13 +142,15 @@ class Meeting:
         ledger = collective_calls.Ledger(self.ranks, self.calls.buf)
         _, divergence = collective_calls.Judge(ledger).check(final=True)
         if divergence is not None:
-            return str(collective_calls.divergence_error(divergence)).encode()
-        return (
-            f"{ranks_named(waiting)} wait at collective calls that the other ranks never make, "
-            "so they can never meet (on a TPU they would wait forever); calls inside a "
-            "torch.compile'd function are not recorded, so their lines are not known here. "
-            "Every rank must make the same collective calls in the same order."
-        ).encode()
+            self.verdict = str(collective_calls.divergence_error(divergence))
+        else:
+            self.verdict = (
+                f"{ranks_named(waiting)} wait at collective calls that the other ranks never "
+                "make, so they can never meet (on a TPU they would wait forever); calls inside "
+                "a torch.compile'd function are not recorded, so their lines are not known "
+                "here. Every rank must make the same collective calls in the same order."
+            )
+        return self.verdict.encode()
 
     def all_ended(self):
         """Whether every rank that joined has ended, or its process exited."""

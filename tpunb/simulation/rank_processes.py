@@ -24,7 +24,7 @@ import functools
 import os
 
 from tpunb.errors import RankEnded
-from tpunb.simulation import host_collectives, host_exchange, tpu_host
+from tpunb.simulation import host_collectives, host_exchange, pitfalls, tpu_host
 from tpunb.upstream import registry
 
 _PROCESS_RANK, _PROCESS_COUNT = "PJRT_LOCAL_PROCESS_RANK", "PJRT_LOCAL_PROCESS_COUNT"
@@ -38,7 +38,11 @@ def run_in_meeting(_, run_multiprocess):
 
         # The meeting judges the ranks' collective calls, unless a launch does.
         judging = not registry.active("collective_ledger")
-        with host_exchange.meeting(tpu.num_local_processes(), judging):
+        ranks = tpu.num_local_processes()
+        with (
+            host_exchange.meeting(ranks, judging) as meeting,
+            pitfalls.launch_watched(ranks, meeting),
+        ):
             return run_multiprocess(fn, *args, start_method=start_method, **kwargs)
 
     return run_in_a_meeting
@@ -53,7 +57,8 @@ def run_as_rank_process(_, run_threads):
         @functools.wraps(fn)
         def rank():
             try:
-                result = fn()
+                with pitfalls.rank_watched(local_rank):
+                    result = fn()
             except BaseException as error:
                 exchange.end(error)
                 raise

@@ -131,13 +131,19 @@ PATCHES = (
           "tpunb.simulation.point_to_point:send_recv_through_host", SIMULATION),
     Patch(_XLAC, ("_xla_collective_permute",), "permute_among_some",
           "tpunb.simulation.point_to_point:permute_through_host", SIMULATION),
+    # The report of python -m tpunb.simulate and pytest --tpunb-simulate (pitfalls.py):
+    # where each DataLoader was built, and the first batch of each pass over one.
+    Patch("torch.utils.data.DataLoader", ("__init__",), "loaders_read_alike",
+          "tpunb.simulation.pitfalls:built_noted", SIMULATION),
+    Patch("torch.utils.data.dataloader._BaseDataLoaderIter", ("__init__", "__next__"),
+          "loaders_read_alike", "tpunb.simulation.pitfalls:passes_noted", SIMULATION),
 )  # fmt: skip
 
 # The simulation's own work at each sync (``step_hooks``), "module:attribute" of keyword
 # arguments.
 SIMULATION_STEP_HOOKS = "tpunb.simulation.host_collectives:STEP_HOOKS"
 # Installed by the code that needs them, at that moment, instead of with the simulation.
-_ON_DEMAND = ("v5e_world_and_ordinal", "torchrun_error_kept")
+_ON_DEMAND = ("v5e_world_and_ordinal", "torchrun_error_kept", "loaders_read_alike")
 
 
 NAMES = frozenset(patch.name for patch in PATCHES)
