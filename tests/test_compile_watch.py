@@ -599,6 +599,34 @@ def test_the_same_graph_every_step_is_never_called_a_changed_graph(cores8):
     assert results.compiles.causes == []
 
 
+def _adam_with_accumulation(rank, accumulate):
+    """Adam over micro-batches of one shape, stepping every ``accumulate`` of them."""
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+    from torch_xla.distributed.parallel_loader import MpDeviceLoader
+
+    device = torch_xla.device()
+    model = _model().to(device)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    data = TensorDataset(torch.randn(96, 4), torch.randn(96, 1))
+    for batch, (x, y) in enumerate(MpDeviceLoader(DataLoader(data, batch_size=8), device), 1):
+        ((model(x) - y) ** 2).mean().backward()
+        if batch % accumulate == 0:
+            xm.optimizer_step(optimizer)
+            optimizer.zero_grad()
+
+
+def test_the_warm_up_lasts_until_the_optimizers_second_step(cores8):
+    # Adam's second step reads the state its first created: a graph of its own, expected
+    # however many micro-batches a step accumulates (here the 6th batch, past the warm-up
+    # counted in batches); afterwards every graph is one seen before.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tpunb.TpunbWarning)
+        results = tpunb.launch(_adam_with_accumulation, 3, live=False)
+    assert results.compiles.causes == []
+    assert results.compiles.compiles_after_warmup == 0
+
+
 def _compile_time_around_new_shapes(rank, shapes):
     """torch_xla's CompileTime (seconds) once every rank has started, and after the ranks
     have compiled a graph for each of ``shapes`` shapes."""

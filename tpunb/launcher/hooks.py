@@ -51,6 +51,12 @@ def _on_collective(name, args, kwargs, frame):
         recording.collective(name, args, kwargs, frame)
 
 
+def _after_optimizer_step(optimizer, args, kwargs):
+    recording = recorder.current()
+    if recording is not None:
+        recording.optimizer_stepped()
+
+
 def recorded_batches(_, next_batch):
     """The registry's maker: the per-device loader's ``next``, recording each batch."""
 
@@ -80,13 +86,17 @@ def excused(name, helper):
 
 @contextlib.contextmanager
 def installed(checked=True):
-    """For the duration: every sync ends a step and, where torch_xla is as tpunb was
+    """For the duration: every sync ends a step, every optimizer step is counted in it
+    (torch.optim's global post-step hook) and, where torch_xla is as tpunb was
     checked against (``checked``), every batch the loader hands out is recorded and what
     torch_xla's helpers read after a sync is excused (neither a cut nor a step's
     compilation); what each watcher adds: ``reads_recorded``, ``collectives_recorded``."""
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
     syncs = registry.add_step_hooks(before=_before_sync, after=_after_sync)
     try:
         with contextlib.ExitStack() as patched:
+            patched.callback(register_optimizer_step_post_hook(_after_optimizer_step).remove)
             if checked:
                 patched.enter_context(registry.during("launch_batches"))
                 patched.enter_context(registry.during("launch_excused_reads"))

@@ -53,6 +53,7 @@ class Recorder:
         self._memory = device_memory.Reader() if memory else None
         self._split_syncs = split_syncs
         self._next_epochs = {}  # id(a notebook loader given to shard) -> [its next epoch]
+        self._optimizer_steps = 0  # in the current step
 
     def next_epoch(self, loader):
         """The epoch the next pass over the notebook's ``loader`` runs, in a list that its
@@ -70,6 +71,10 @@ class Recorder:
         if not excused_here():
             key = (kind, what, file, line)
             self._reads[key] = self._reads.get(key, 0) + 1
+
+    def optimizer_stepped(self):
+        """A torch.optim optimizer took a step (its global post-step hook)."""
+        self._optimizer_steps += 1
 
     def collective(self, name, args, kwargs, frame):
         """A collective call about to run (``collective_calls.recorded``), made from ``frame``."""
@@ -111,12 +116,14 @@ class Recorder:
             epoch_batches=self._epoch_batches,
             framework=self._in_framework,
             reads=[[*key, times] for key, times in self._reads.items()],
+            optimizer_steps=self._optimizer_steps,
         )
         if self._counters is not None:
             self._counters.fill(record)
         self._unsent.append(record)
         self.step += 1
         self._values, self._shapes, self._samples, self._reads = {}, [], 0, {}
+        self._optimizer_steps = 0
 
     def before_sync(self):
         """Called right before this rank's ``torch_xla.sync()``. Once a loader has handed

@@ -18,6 +18,9 @@ WARMUP_STEPS = 3
 # The same counted in batches of the training loader, for loops that sync more than once
 # a batch (PyTorch Lightning syncs after the optimizer step and again in its loader).
 WARMUP_BATCHES = 2
+# And through the optimizer's second step (a step with gradient accumulation is several
+# batches): the first creates the optimizer's state (Adam's moments), the second reads it.
+WARMUP_OPTIMIZER_STEPS = 2
 
 # What a step's compilations were, as the watch judged them: the warm-up's, a training
 # step's own, or not a training step's (a framework's own step, the work after a rank's
@@ -240,6 +243,7 @@ class CompileWatch:
         self._reads_watched = False  # do the records name the reads that cut a step?
         self._read_steps = collections.Counter()  # (kind, what, file, line) -> steps seen
         self._verdicts = {}  # step -> what its compilations were, judged since last taken
+        self._optimizer_steps = collections.Counter()  # rank -> optimizer steps so far
 
     def add(self, rank, steps):
         """Takes a rank's new steps; returns the warnings they complete, once a cause."""
@@ -310,6 +314,11 @@ class CompileWatch:
                 self._warmup_end = max(self._warmup_end, number + 1 + self.warmup_steps)
         if any(s.epoch == 0 and (s.epoch_batch or 0) <= WARMUP_BATCHES for s in by_rank.values()):
             self._warmup_end = max(self._warmup_end, number + 1)
+        # Until the optimizer's second step, with gradient accumulation batches later.
+        for rank, s in by_rank.items():
+            if s.optimizer_steps and self._optimizer_steps[rank] < WARMUP_OPTIMIZER_STEPS:
+                self._warmup_end = max(self._warmup_end, number + 1)
+            self._optimizer_steps[rank] += s.optimizer_steps
         self._training_started |= any(s.epoch is not None for s in by_rank.values())
         for s in by_rank.values():
             if s.epoch is not None and s.epoch_batch:

@@ -56,6 +56,9 @@ class Step:
     # The rank's device memory (bytes in use, peak, limit) when the record was sent, where
     # the device reports it (a TPU; not XLA's CPU client): ``device_memory.Use``.
     memory: tuple | None = None
+    # Optimizer steps taken in the step (torch.optim's, through its global post-step
+    # hook): the warm-up lasts until the second, which adds Adam's state to the graph.
+    optimizer_steps: int = 0
 
 
 def _training_steps(steps):
