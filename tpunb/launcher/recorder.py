@@ -94,10 +94,11 @@ class Recorder:
 
     def batch(self, batch, device_loader):
         """A batch handed out by torch_xla's per-device loader ``device_loader`` (a new
-        one each pass over the data)."""
-        self._count_pass(device_loader)
+        one each pass over the data). The training loader's batches are the step's: their
+        shapes and samples; another loader's (evaluation) are counted in neither."""
+        training = self._count_pass(device_loader)
         self._batch_syncs = [] if self._split_syncs else None
-        shapes = _shapes(batch)
+        shapes = _shapes(batch) if training else None
         if shapes:
             self._shapes.append(shapes)
             self._samples += shapes[0][0] if shapes[0] else 1
@@ -158,9 +159,11 @@ class Recorder:
             self._epoch = self._epoch_batch = self._epoch_batches = None
 
     def _count_pass(self, device_loader):
+        """Counts a batch of ``device_loader``'s; returns whether it is the training
+        loader's."""
         if device_loader is self._pass:  # the training loader's pass under way
             self._epoch_batch += 1
-            return
+            return True
         # Told apart by dataset: shard() builds a new DataLoader at each call, on the same
         # dataset.
         host_loader = getattr(getattr(device_loader, "_loader", None), "_cpu_loader", None)
@@ -168,7 +171,7 @@ class Recorder:
         if self._loader is None:
             self._loader = data
         if data is not self._loader:
-            return  # another loader (evaluation): not the training progress
+            return False  # another loader (evaluation): not the training progress
         self._pass = device_loader
         self._epoch = 0 if self._epoch is None else self._epoch + 1
         self._epoch_batch = 1
@@ -176,6 +179,7 @@ class Recorder:
             self._epoch_batches = len(device_loader)
         except TypeError:  # an IterableDataset without __len__
             self._epoch_batches = None
+        return True
 
     def flush(self, keep_last=False):
         """Reads the logged device values back in one transfer and sends the steps (all

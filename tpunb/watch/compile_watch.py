@@ -244,6 +244,7 @@ class CompileWatch:
         self._read_steps = collections.Counter()  # (kind, what, file, line) -> steps seen
         self._verdicts = {}  # step -> what its compilations were, judged since last taken
         self._optimizer_steps = collections.Counter()  # rank -> optimizer steps so far
+        self._between_passes = set()  # steps at or after a pass's last batch, till the next
 
     def add(self, rank, steps):
         """Takes a rank's new steps; returns the warnings they complete, once a cause."""
@@ -314,6 +315,11 @@ class CompileWatch:
                 self._warmup_end = max(self._warmup_end, number + 1 + self.warmup_steps)
         if any(s.epoch == 0 and (s.epoch_batch or 0) <= WARMUP_BATCHES for s in by_rank.values()):
             self._warmup_end = max(self._warmup_end, number + 1)
+        # An epoch's end: its last batch's step runs on into the work after the pass
+        # (evaluating, reducing metrics, saving, predicting), as do the steps after it
+        # until the next pass.
+        if any(s.epoch_batches and s.epoch_batch >= s.epoch_batches for s in by_rank.values()):
+            self._between_passes.add(number)
         # Until the optimizer's second step, with gradient accumulation batches later.
         for rank, s in by_rank.items():
             if s.optimizer_steps and self._optimizer_steps[rank] < WARMUP_OPTIMIZER_STEPS:
@@ -382,10 +388,15 @@ class CompileWatch:
             new = self._new_at(shaped_at) if shaped_at is not None else []
             cause = self._compile_cause(number if shaped_at is None else shaped_at, compiles, new)
             # Expected graphs of their own: the work after a rank's function (evaluating,
-            # gathering results), the launch's last step, and a framework step's work read
-            # a step early or run in the step after it.
-            expected = after_training or any(
-                number + n in self._framework_steps for n in (-1, 0, 1)
+            # gathering results), the launch's last step, the work between the training
+            # loader's passes (evaluating, reducing metrics, predicting: each path compiled
+            # the first time it runs; a changed graph is judged inside the passes, where
+            # every step runs the same code), and a framework step's work read a step early
+            # or run in the step after it.
+            expected = (
+                after_training
+                or number in self._between_passes
+                or any(number + n in self._framework_steps for n in (-1, 0, 1))
             )
             few = self._shapes_through(shaped_at or number) <= FEW_SHAPES
             if cause[0] == "shapes" and few:
