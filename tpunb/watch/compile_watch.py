@@ -318,7 +318,9 @@ class CompileWatch:
         # An epoch's end: its last batch's step runs on into the work after the pass
         # (evaluating, reducing metrics, saving, predicting), as do the steps after it
         # until the next pass.
-        if any(s.epoch_batches and s.epoch_batch >= s.epoch_batches for s in by_rank.values()):
+        if any(
+            s.epoch_batches and (s.epoch_batch or 0) >= s.epoch_batches for s in by_rank.values()
+        ):
             self._between_passes.add(number)
         # Until the optimizer's second step, with gradient accumulation batches later.
         for rank, s in by_rank.items():
