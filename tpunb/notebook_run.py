@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import re
 import sys
+import tempfile
 import time
 
 # Run in a kernel before the notebook's first cell (and by pytest's plugin in nbval's).
@@ -37,8 +38,8 @@ def run(path: str, cores: int, instead_of_tpu: bool = False, out=sys.stdout) -> 
     returns the exit status: ``RAN`` when every cell ran, ``RAISED`` when one raised."""
     try:
         import nbformat
+        from jupyter_client.manager import KernelManager
         from nbclient import NotebookClient
-        from nbclient.exceptions import CellExecutionError
     except ImportError:
         out.write(
             "python -m tpunb.simulate runs notebooks with nbclient: pip install nbclient "
@@ -46,13 +47,27 @@ def run(path: str, cores: int, instead_of_tpu: bool = False, out=sys.stdout) -> 
         )
         return RAISED
     notebook = nbformat.read(path, as_version=4)
-    code = [i for i, cell in enumerate(notebook.cells) if cell.cell_type == "code"]
     folder = os.path.dirname(os.path.abspath(path))
     # The kernel, and the pip it runs, inherit this: installs fail at once without a network.
     os.environ["PIP_NO_INDEX"] = "1"
-    client = NotebookClient(
-        notebook, kernel_name="python3", timeout=None, resources={"metadata": {"path": folder}}
+    # The kernel listens on local sockets in a folder of its own: over TCP, ipykernel warns
+    # at every start that the connection is not encrypted.
+    sockets = tempfile.TemporaryDirectory(prefix="tpunb-kernel-")
+    kernel = KernelManager(
+        kernel_name="python3", transport="ipc", ip=os.path.join(sockets.name, "kernel")
     )
+    client = NotebookClient(
+        notebook, km=kernel, timeout=None, resources={"metadata": {"path": folder}}
+    )
+    with sockets:
+        return _run_cells(client, notebook, cores, instead_of_tpu, out, path)
+
+
+def _run_cells(client, notebook, cores, instead_of_tpu, out, path):
+    import nbformat
+    from nbclient.exceptions import CellExecutionError
+
+    code = [i for i, cell in enumerate(notebook.cells) if cell.cell_type == "code"]
     start = time.monotonic()
     out.write(f"{os.path.basename(path)}: {len(code)} code cells on {cores} simulated cores\n")
     simulating = nbformat.v4.new_code_cell(

@@ -154,17 +154,26 @@ class ProcessCounters:
         now, before = self._read(every_time), self._last
         self._last = now
         new_fallbacks = {
-            name: count - before.fallbacks.get(name, 0)
+            name: _since(count, before.fallbacks.get(name, 0))
             for name, count in now.fallbacks.items()
             if count != before.fallbacks.get(name, 0)
         }
         return _Counts(
-            now.compiles - before.compiles,
-            now.cached - before.cached,
+            _since(now.compiles, before.compiles),
+            _since(now.cached, before.cached),
             now.seconds - before.seconds,
             new_fallbacks,
             now.helper - before.helper,
         )
+
+
+def _since(now, before):
+    """What a counter counted since it read ``before``. torch_xla's dynamo bridge clears
+    the counters while it looks for graph breaks (``metrics.clear_counters()`` in
+    ``UnsupportedNodesCollector.run_node``, torch_xla/_dynamo/dynamo_bridge.py, v2.8 and
+    v2.9) and puts back UncachedCompile's count alone: a counter below its last reading
+    was cleared, and counts from zero since."""
+    return now - before if now >= before else now
 
 
 def excused_here():

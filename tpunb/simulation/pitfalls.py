@@ -124,14 +124,20 @@ def _judged(launch, ranks):
     from tpunb.watch import compile_watch
 
     watch = compile_watch.CompileWatch(ranks)
-    findings, first_batches = [], {}
+    first_batches, trained = {}, False
     for rank in range(ranks):
         for kind, record in _records(os.path.join(launch, f"rank{rank}")):
             if kind == "steps":
-                findings += watch.add(record.rank, record.steps())
+                steps = record.steps()
+                trained |= any(s.optimizer_steps or s.epoch is not None for s in steps)
+                watch.add(record.rank, steps)
             else:  # a DataLoader's first batch: (where it was built, its sampler, fingerprint)
                 first_batches.setdefault(record[:2], {}).setdefault(rank, set()).add(record[2])
-    findings += watch.finish()
+    watch.finish()
+    # A changed graph is a training step's that runs other code than the steps before it;
+    # in a program that never trains (no optimizer step, no loader's batches), each new
+    # code path is just the program's next part.
+    findings = [message for cause, message in watch.causes.items() if trained or cause != "graph"]
     for (built, sampler), by_rank in first_batches.items():
         alike = set.intersection(*by_rank.values())
         if len(by_rank) == ranks > 1 and alike:
