@@ -16,7 +16,7 @@ SAYS_ON_ONE_CORE = {
     "01_core_count.ipynb": [
         "rank 0: world_size 1, global ordinal 0",
         "tpunb.launch: The XLA",
-        "in the notebook's own process: accuracy",
+        "in the notebook's own process, compiling 2 graphs",
     ],
     "02_sampler.ipynb": ["With 1 core there is nothing to split", "seen by every core: 1792"],
     "03_batch_size.ipynb": ["With 1 core the global batch is the per-core batch"],
