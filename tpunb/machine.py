@@ -87,6 +87,21 @@ def spawn_variables_removed():
         os.environ.update(saved)
 
 
+@contextlib.contextmanager
+def variable_set(name, value):
+    """For the duration: ``os.environ[name] = value`` (for the processes started meanwhile,
+    which inherit it); afterwards what was there before, or nothing."""
+    before = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before
+
+
 @dataclasses.dataclass(frozen=True)
 class Simulation:
     """What ``tpunb.simulate`` set up: its arguments, which spawned children repeat."""

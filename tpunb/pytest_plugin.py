@@ -94,7 +94,7 @@ def pytest_terminal_summary(terminalreporter, config):
         from tpunb.simulation import pitfalls
 
         terminalreporter.section("tpunb: what a TPU would meet")
-        for line in pitfalls.report_lines(folder):
+        for line in pitfalls.report_lines(*pitfalls.report(folder)):
             terminalreporter.write_line(line)
     ran = config.stash.get(_UNRUN_CELLS, 0)
     if ran:

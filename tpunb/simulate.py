@@ -60,10 +60,9 @@ def main(argv=None):
             ran = notebook_run.run(options.script, options.cores, options.instead_of_tpu)
         else:
             ran = _run_program(parser, options)
-        lines = pitfalls.report_lines(report)
-        print("\n".join(lines), flush=True)
-        found = bool(pitfalls.report(report)[1])
-    sys.exit(ran if ran != notebook_run.RAN or not found else notebook_run.FOUND)
+        launches, findings = pitfalls.report(report)
+        print("\n".join(pitfalls.report_lines(launches, findings)), flush=True)
+    sys.exit(ran if ran != notebook_run.RAN or not findings else notebook_run.FOUND)
 
 
 def _run_program(parser, options):

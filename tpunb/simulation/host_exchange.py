@@ -51,6 +51,7 @@ from multiprocessing import shared_memory
 
 import numpy as np
 
+from tpunb import machine
 from tpunb.errors import CollectiveMismatch, RankEnded
 from tpunb.reports import ranks_named
 from tpunb.upstream import registry
@@ -173,15 +174,10 @@ class Meeting:
 def meeting(ranks, judging=True):
     """A meeting for ``ranks`` processes, named in ``os.environ`` while it is open."""
     opened = Meeting(ranks, judging)
-    before = os.environ.get(MEETING)
-    os.environ[MEETING] = opened.address
     try:
-        yield opened
+        with machine.variable_set(MEETING, opened.address):
+            yield opened
     finally:
-        if before is None:
-            os.environ.pop(MEETING, None)
-        else:
-            os.environ[MEETING] = before
         opened.close()
 
 

@@ -32,6 +32,7 @@ import tempfile
 import time
 import weakref
 
+from tpunb import machine
 from tpunb.upstream import registry
 
 FOLDER = "TPUNB_REPORT"  # where the report goes; set by the command line and pytest's plugin
@@ -58,16 +59,11 @@ def reporting() -> bool:
 def folder():
     """For the duration: a new report folder named in ``$TPUNB_REPORT`` (for the kernels
     and processes started meanwhile, which inherit it); yields its path."""
-    before = os.environ.get(FOLDER)
-    with tempfile.TemporaryDirectory(prefix="tpunb-report-") as path:
-        os.environ[FOLDER] = path
-        try:
-            yield path
-        finally:
-            if before is None:
-                os.environ.pop(FOLDER, None)
-            else:
-                os.environ[FOLDER] = before
+    with (
+        tempfile.TemporaryDirectory(prefix="tpunb-report-") as path,
+        machine.variable_set(FOLDER, path),
+    ):
+        yield path
 
 
 # In the launching process -----------------------------------------------------------------
@@ -79,7 +75,6 @@ def launch_watched(ranks, meeting):
     whose collective calls ``meeting`` judges: its ranks record what they do, and its
     findings are written once they have ended. Does nothing unless ``reporting()``, nor
     around a ``tpunb.launch``."""
-    from tpunb import machine
     from tpunb.launcher import rank
 
     if not reporting() or rank.launching():
@@ -92,15 +87,10 @@ def launch_watched(ranks, meeting):
         yield
         return
     launch = tempfile.mkdtemp(prefix="launch-", dir=os.environ[FOLDER])
-    before = os.environ.get(_LAUNCH)
-    os.environ[_LAUNCH] = launch
     try:
-        yield
+        with machine.variable_set(_LAUNCH, launch):
+            yield
     finally:
-        if before is None:
-            os.environ.pop(_LAUNCH, None)
-        else:
-            os.environ[_LAUNCH] = before
         findings = _judged(launch, ranks)
         if meeting.verdict is not None:
             findings.append(meeting.verdict)
@@ -331,9 +321,9 @@ def report(path):
     return launches, findings
 
 
-def report_lines(path):
-    """The report as lines of text: a heading, then a numbered finding a line."""
-    launches, findings = report(path)
+def report_lines(launches, findings):
+    """The report (``report(path)``'s) as lines of text: a heading, then a numbered finding
+    a line."""
     if not launches:
         return ["tpunb's report: no xmp.spawn or torch_xla.launch ran, so nothing was watched."]
     watched = f"{launches} launch{'es' if launches != 1 else ''} watched"
