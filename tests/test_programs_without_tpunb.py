@@ -211,3 +211,23 @@ def test_a_notebook_saved_with_outputs_but_no_execution_counts_runs(tmp_path):
     (tmp_path / "exported.ipynb").write_text(json.dumps(notebook))
     result = _pytest(["--nbval-lax", "--tpunb-simulate=8", "exported.ipynb"], tmp_path)
     assert result.returncode == 1 and "Unrun reference cell has outputs" in result.stdout
+
+
+@pytest.mark.pair("colab", reason="nbval and the plugin alike on both pairs: checked once")
+def test_a_cell_that_fails_under_nbval_shows_what_it_printed(tmp_path):
+    # nbval names a stream the saved cell lacks, not its text: the plugin adds the text.
+    cell = {
+        "cell_type": "code",
+        "id": "aside",
+        "execution_count": 1,
+        "metadata": {},
+        "outputs": [{"output_type": "stream", "name": "stdout", "text": ["saved\n"]}],
+        "source": ["import sys\n", "print('saved')\n", "print('said aside', file=sys.stderr)"],
+    }
+    notebook = {"cells": [cell], "metadata": {}, "nbformat": 4, "nbformat_minor": 5}
+    (tmp_path / "aside.ipynb").write_text(json.dumps(notebook))
+    result = _pytest(["--nbval", "aside.ipynb"], tmp_path)
+    assert result.returncode == 1, result.stdout[-3000:]
+    assert "Unexpected output fields from running code: {'stderr'}" in result.stdout
+    section = result.stdout[result.stdout.index("the cell's stderr") :].splitlines()
+    assert section[1] == "said aside", result.stdout[-3000:]

@@ -1,7 +1,9 @@
 """``pytest --tpunb-simulate=N``: TPU code and TPU notebooks tested on N simulated cores.
 
 A pytest plugin, registered by tpunb's ``pytest11`` entry point: installed with tpunb, it
-is there in every pytest run and does nothing until the option is given. With it:
+is there in every pytest run. Without the option it only adds, to a notebook cell that
+fails under nbval, what the cell printed: nbval names an output stream the saved cell
+lacks ("Unexpected output fields: {'stderr'}") but not its text. With the option:
 
 - the test process simulates N TPU cores before any test runs (``tpunb.simulate``), so
   tests that call ``xmp.spawn`` or ``torch_xla.launch`` run their ranks on them;
@@ -102,6 +104,18 @@ def pytest_terminal_summary(terminalreporter, config):
             f"tpunb: {ran} cell(s) saved with outputs but no execution count ran; under "
             "--nbval-lax their saved outputs are not compared."
         )
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A cell nbval ran and failed: each stream it printed, as a section of the report."""
+    outcome = yield
+    report = outcome.get_result()
+    printed = getattr(item, "test_outputs", None)  # nbval's cell item, once it has run
+    if report.failed and call.when == "call" and printed:
+        for output in printed:
+            if output.get("output_type") == "stream":
+                report.sections.append((f"the cell's {output['name']}", output["text"]))
 
 
 @pytest.hookimpl(trylast=True)
