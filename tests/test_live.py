@@ -258,3 +258,24 @@ def test_from_a_real_kernel_text_or_widgets_then_the_final_figure(tmp_path, monk
 def _png_size(image):
     header = io.BytesIO(image[16:24]).read()
     return int.from_bytes(header[:4], "big"), int.from_bytes(header[4:], "big")
+
+
+def test_samples_per_second_has_one_point_a_training_step_and_a_validation_slows_the_next():
+    # Two epochs of 4 training steps of 8 samples, 0.1 s each; between them a validation:
+    # 3 records without training samples, 0.5 s in all. The rate has one point a training
+    # step after the first (the validation's records add time, not points), and the windows
+    # that span the validation include its time.
+    steps, time = [], 0.0
+    for epoch in range(2):
+        for batch in range(1, 5):
+            time += 0.1
+            steps.append(Step(len(steps), time, {}, [[(8, 4)]], 8, epoch=epoch, epoch_batch=batch))
+        if epoch == 0:
+            for _ in range(3):
+                time += 0.5 / 3
+                steps.append(Step(len(steps), time, {}, [], 0, epoch=0, epoch_batch=4))
+    history = tpunb.History(1)
+    history.add(0, steps)
+    at, rates = history.samples_per_second(0, over=2)
+    assert at == [2, 3, 4, 5, 6, 7, 8]
+    assert rates == pytest.approx([80, 80, 80, 16 / 0.7, 16 / 0.7, 80, 80])

@@ -89,24 +89,34 @@ RATE_OVER = 10  # steps: the samples/s of the live view and the figure are a tra
 
 
 def _rates(steps, over):
-    """One rank's samples/s at each of its steps (after the first batch), over the last
-    ``over`` steps: a running sum, cheap however long the run. Returns the records'
-    positions in ``steps`` and the rates."""
+    """One rank's samples/s at each of its training steps after the first, over the last
+    ``over`` of them: a training step is a record that carries samples (a batch of the
+    training loader); the records between two (an epoch's end, a validation) add their time
+    to the window, not points of their own. A running sum, cheap however long the run.
+    Returns the training steps' positions in ``steps`` and the rates."""
+    marks = [i for i, s in enumerate(steps) if s.samples]
     numbers, rates = [], []
-    start = next((i for i, s in enumerate(steps) if s.samples), None)
-    if start is None:
-        return numbers, rates
-    in_window = 0  # samples of steps[first + 1 : end + 1]
-    for end in range(start + 1, len(steps)):
-        first = max(start, end - over)
-        in_window += steps[end].samples
-        if end - over > start:
-            in_window -= steps[first].samples
-        span = steps[end].time - steps[first].time
+    in_window = 0  # the samples of marks[max(0, k - over) + 1 : k + 1]
+    for k in range(1, len(marks)):
+        in_window += steps[marks[k]].samples
+        if k > over:
+            in_window -= steps[marks[k - over]].samples
+        span = steps[marks[k]].time - steps[marks[max(0, k - over)]].time
         if span > 0:
-            numbers.append(end)
+            numbers.append(marks[k])
             rates.append(in_window / span)
     return numbers, rates
+
+
+def _last_training_steps(steps, count):
+    """The tail of ``steps`` that holds its last ``count`` training steps (records that
+    carry samples), and the records after them."""
+    seen = 0
+    for position in range(len(steps) - 1, -1, -1):
+        seen += bool(steps[position].samples)
+        if seen == count:
+            return steps[position:]
+    return steps
 
 
 class CompilesAt(NamedTuple):
@@ -235,7 +245,7 @@ class History:
         self, rank: int | None = None, over: int = RATE_OVER
     ) -> tuple[list[int], list[float]]:
         """([training step, ...], [samples/s, ...]) of ``rank``, each over its last
-        ``over`` records (timed in the rank). ``rank=None``: all ranks together, at the
+        ``over`` training steps (timed in the rank). ``rank=None``: all ranks together, at the
         training steps every rank has."""
         if rank is not None:
             return self._rates_at_training_steps(rank, over)
@@ -253,7 +263,9 @@ class History:
     def current_samples_per_second(self, over: int = RATE_OVER) -> float | None:
         """All ranks' samples/s over their last ``over`` steps (None before that can be
         told): from the tails only, cheap however long the run."""
-        rates = [_rates(steps[-over - 1 :], over)[1] for steps in self.steps.values()]
+        rates = [
+            _rates(_last_training_steps(steps, over + 1), over)[1] for steps in self.steps.values()
+        ]
         return sum(r[-1] for r in rates) if all(rates) else None
 
     def mean_samples_per_second(self) -> float | None:
