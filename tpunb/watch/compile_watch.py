@@ -111,9 +111,9 @@ def _split_words(where, what, file, line):
     return (
         f"{where}: {what} at {file}, line {line} ran the step's work before its batch was "
         "done, and another sync in the same batch ran the work traced after it: two graphs "
-        "a step instead of one, each dispatched and waited for. torch_xla's loader "
-        "(MpDeviceLoader, tpunb.shard) already syncs at every batch: remove this call, or "
-        "move the work traced after it before it."
+        "per step instead of one, with a second dispatch and no fusion across the cut. "
+        "torch_xla's loader (MpDeviceLoader, tpunb.shard) already syncs at every batch: "
+        "remove this call, or move the work traced after it before it."
     )
 
 
