@@ -73,7 +73,10 @@ def _run_cells(client, notebook, cores, instead_of_tpu, out, path):
     simulating = nbformat.v4.new_code_cell(
         SIMULATE_IN_KERNEL.format(cores=cores, instead_of_tpu=instead_of_tpu)
     )
-    with client.setup_kernel():
+    # cleanup_kc: the kernel is shut down at the end. nbclient leaves a kernel whose manager
+    # it was given running, and it then stops only when it sees this process gone ("Parent
+    # appears to have exited, shutting down", a warning on stderr after the report).
+    with client.setup_kernel(cleanup_kc=True):
         # A cell of its own, first, out of the notebook's history (its cells count from 1,
         # as on a TPU); nbclient keeps what it runs in the notebook, so it goes after.
         notebook.cells.insert(0, simulating)
