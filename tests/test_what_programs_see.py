@@ -179,3 +179,44 @@ def test_an_eager_collective_runs_as_one_eager_computation_as_on_a_tpu():
     # 0 + 1 + ... + 7 = 28, in place in both tensors, one eager execution and no lazy one.
     expected = "TPU, eager executions 1, lazy 0, sums 28 28"
     assert said == [f"rank {rank}: {expected}" for rank in range(8)], result.stdout
+
+
+RANDOM_STEPS = """\
+import sys
+import torch, torch_xla, torch_xla.core.xla_model as xm
+import torch_xla.debug.metrics as met
+
+def train(index):
+    device = torch_xla.device()
+    xm.set_rng_state(0)
+    weights, drawn = torch.ones(4, device=device), []
+    for _ in range(3):
+        before = torch.rand(4, device=device)
+        weights = weights * 0.5
+        if sys.argv[1] == "all-reduce":
+            weights = xm.all_reduce(xm.REDUCE_SUM, weights)
+        after = torch.rand(4, device=device)
+        torch_xla.sync()
+        drawn.append(round(float((before + after).sum()), 5))
+    print(f"rank {index}: MarkStep {met.counter_value('MarkStep')}, drew {drawn}", flush=True)
+
+if __name__ == '__main__':
+    torch_xla.launch(train)
+"""
+
+
+def test_a_collective_inside_a_step_neither_ends_the_step_nor_moves_the_random_seed(tmp_path):
+    # On a TPU the collective is in the step's graph: a step counts one MarkStep and draws
+    # the same random numbers with or without it. A simulated core runs the step's work
+    # before the collective (on the host) without marking a step: the same holds.
+    program = tmp_path / "program.py"
+    program.write_text(RANDOM_STEPS)
+    drawn = {}
+    for how in ("all-reduce", "none"):
+        result = _simulated([str(program), how], cores=2)
+        lines = sorted(re.findall(r"rank \d: MarkStep .*\]", result.stdout))
+        assert [line.split(",")[0] for line in lines] == [
+            f"rank {rank}: MarkStep 3" for rank in range(2)
+        ], result.stdout
+        drawn[how] = [line.split("drew ")[1] for line in lines]
+    assert drawn["all-reduce"] == drawn["none"]

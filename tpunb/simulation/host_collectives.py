@@ -141,9 +141,11 @@ def host_all_reduce(_, all_reduce):
 def _share(call, tensors):
     """Steps 1 and 2: every rank's ``tensors``, as CPU tensors, in rank order, once every
     rank's ``call`` (its identity) is this one's."""
+    # The step's pending work runs (what the step marker runs), but no step ends: a step
+    # marker would also count a MarkStep, advance torch_xla's random seed and close the
+    # user's profiler scopes, where on a TPU the collective is inside the step.
     device = torch_xla._XLAC._xla_get_default_device()
-    # reset_scope=False: the cut is inside the user's step, maybe inside a profiler scope.
-    torch_xla._XLAC._xla_step_marker(device, [], wait=False, reset_scope=False)
+    torch_xla._XLAC._xla_sync_live_tensors(device, [], wait=False)
     host = [t.contiguous() for t in torch_xla._XLAC._xla_get_cpu_tensors(tensors)]
     exchange = _rank.exchange
     _rank.collectives += 1

@@ -37,7 +37,7 @@ _LAUNCH_READS = {
 _SIMULATION_READS = {
     "torch_xla._XLAC": (
         "_set_all_reduce_token",
-        "_xla_step_marker",  # the cuts before a collective
+        "_xla_sync_live_tensors",  # the cuts before a collective
         "_xla_get_default_device",
         "_xla_get_cpu_tensors",
         "_xla_tensors_from_aten",
