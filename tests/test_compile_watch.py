@@ -237,6 +237,46 @@ def test_every_read_that_cuts_a_step_is_named_once_with_its_line(cores8):
     assert len(messages) == 7
 
 
+def _reads_around_the_all_reduce(rank):
+    """Reads of values a TPU computes in the step's one graph, its all-reduce inside it: each
+    cuts the step, after ``xm.optimizer_step`` as before it. Reads of values a read, a sync
+    or a step closure has computed cut nothing, nor does a read of the only value pending."""
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+
+    model = torch.nn.Linear(4, 1).to(torch_xla.device())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    x = torch.ones(8, 4, device=torch_xla.device())
+    for _ in range(STEPS):
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        doubled = loss * 2
+        doubled.item()  # cuts
+        xm.optimizer_step(optimizer)  # the all-reduce: inside the step's graph on a TPU
+        loss.item()  # cuts
+        doubled.item()  # computed by the read before the all-reduce: nothing to name
+        xm.add_step_closure(lambda value: value.item(), args=(loss,))
+        optimizer.zero_grad()
+        torch_xla.sync()
+        xm.all_gather(loss.detach().reshape(1) * 2).tolist()  # nothing else pending: no cut
+
+
+@pytest.mark.pair("colab", reason="the simulation's rule for reads, alike on both pairs")
+def test_a_read_after_the_optimizer_step_cuts_the_step_as_on_a_tpu():
+    # A simulated core computes the step's pending work before the host all-reduce; a TPU
+    # runs the all-reduce inside the step's graph, so the loss is still to compute after it.
+    tpunb.simulate(cores=2)
+    source = pathlib.Path(__file__).read_text().splitlines()
+    cuts = {n for n, line in enumerate(source, start=1) if line.endswith(".item()  # cuts")}
+    assert len(cuts) == 2
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        results = tpunb.launch(_reads_around_the_all_reduce, live=False)
+    named = [str(w.message) for w in caught if "not computed yet" in str(w.message)]
+    assert {int(re.search(r"line (\d+) read", m).group(1)) for m in named} == cuts, named
+    assert len(results.compiles.causes) == 2
+
+
 def test_the_reads_and_the_compile_watch_left_out_record_nothing_in_the_ranks(cores8):
     import dataclasses
 

@@ -106,11 +106,11 @@ def train(index):
     for epoch in range(2):
         for x, y in MpDeviceLoader(loader, device):
             loss = ((model(x) - y) ** 2).mean() + model(x)[y > 0].sum() * 0
-            if loss.item() > 1e6:
-                break
             optimizer.zero_grad()
             loss.backward()
             xm.optimizer_step(optimizer)
+            if loss.item() > 1e6:
+                break
 
 
 xmp.spawn(train, start_method="fork")
@@ -184,8 +184,9 @@ def test_each_pitfall_is_named_at_its_cell_and_line_with_its_fix(tmp_path):
     def found(start, *words):
         return [f for f in findings if f.startswith(start) and all(w in f for w in words)]
 
-    # A read that cut a step, at its own line; the boolean mask's CPU fallback.
-    assert found(spawn, ".item() at cell In[2], line 9 read a value the step had not computed")
+    # A read that cut a step, at its own line (after xm.optimizer_step, whose all-reduce a
+    # TPU runs inside the step's graph); the boolean mask's CPU fallback.
+    assert found(spawn, ".item() at cell In[2], line 12 read a value the step had not computed")
     assert found(spawn, "ran aten::nonzero on the CPU", "Multiply by the mask")
     # Recompilations after the warm-up: the short last batch of each epoch.
     assert found(spawn, "compiled", "the short last batch of an epoch", "drop_last=True")

@@ -4,7 +4,8 @@ the training step.
 A read (``.item()``, ``.cpu()``, ``.tolist()``, ``.to("cpu")``, ``float()``/``int()``,
 ``bool()`` as in ``if t:``, ``print``/``repr``/f-strings) copies a value to the host. Of
 a value the step has not computed yet, torch_xla must first run the pending graph up to
-it (``_check_tensor_need_materialization`` answers that): the step's graph is cut there,
+it (``_check_tensor_need_materialization`` answers that, and on simulated cores
+``pending_on_a_tpu`` answers as a TPU would): the step's graph is cut there,
 and its work is traced, compiled and run in two parts. Of a computed value (after a
 sync, in ``xm.add_step_closure``) a read cuts nothing; it waits for the device where an
 execution is still computing the value. The Tensor methods are wrapped for the launch;
@@ -92,15 +93,26 @@ def _reads_to_host(torch, name, args, kwargs):
     return isinstance(target, torch.device) and target.type == "cpu"
 
 
+def pending_on_a_tpu(tensor, pending):
+    """For a read of ``tensor``: whether a TPU would still have it to compute, given whether
+    torch_xla here has (``pending``). On a TPU, torch_xla's answer. Simulated cores answer
+    as a TPU would (the registry's "reads_as_on_a_tpu"): the cut before each of their host
+    collectives computes the step's pending work early."""
+    return pending
+
+
 def _kind(torch_xla, tensor):
     """ "cut": the value is not computed yet and other work is pending beside it (the
     sync computes that again: a read after a loop, of the only value pending, cuts
     nothing); "wait": an execution dispatched at a sync is computing it (its data a
     placeholder until then); None: it is there to copy."""
-    if torch_xla._XLAC._check_tensor_need_materialization([tensor])[0]:
-        pending = torch_xla._XLAC._check_device_tensor_need_materialization(str(tensor.device))
-        return "cut" if sum(pending) > 1 else None
-    try:  # spelled so in torch_xla 2.8 and 2.9 (init_python_bindings.cpp)
+    try:
+        here = torch_xla._XLAC._check_tensor_need_materialization([tensor])[0]
+        if pending_on_a_tpu(tensor, here):
+            device = str(tensor.device)
+            others = sum(torch_xla._XLAC._check_device_tensor_need_materialization(device)) - here
+            return "cut" if others else None
+        # spelled so in torch_xla 2.8 and 2.9 (init_python_bindings.cpp)
         return "wait" if torch_xla._XLAC._is_placecholder(tensor) else None
     except RuntimeError:  # not an XLA tensor: a fake one of torch.compile's, printed
         return None

@@ -110,10 +110,20 @@ def extracting(_, extract):
         kept = _Arguments(xla_args)
         _extraction.depth = getattr(_extraction, "depth", 0) + 1
         try:
-            return extract(xla_model, xla_args)
+            compiled = extract(xla_model, xla_args)
         finally:
             _extraction.depth -= 1
             kept.restore()
+
+        def run_compiled(*args):
+            from tpunb.simulation import host_collectives
+
+            # A TPU runs the graphs and their collectives as one execution: the results are
+            # data when the call returns, not work pending in the step.
+            with host_collectives.inside_compiled_graphs():
+                return compiled(*args)
+
+        return run_compiled
 
     return extract_compiled_graph_helper
 

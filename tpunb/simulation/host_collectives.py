@@ -32,6 +32,7 @@ import torch
 import torch_xla
 import torch_xla.core.xla_model as xm
 import torch_xla.runtime as xr
+from torch_xla.core import xla_builder
 
 from tpunb.errors import RankEnded
 from tpunb.watch import collective_calls
@@ -54,12 +55,22 @@ _COUNTERS = {
 
 @dataclasses.dataclass
 class _Rank:
-    """This process as a rank: the meeting it shares its collectives through, and how many
-    steps and collectives it has made (its messages name them)."""
+    """This process as a rank: the meeting it shares its collectives through, how many
+    steps and collectives it has made (its messages name them), and the values its cuts
+    computed early in this step (``pending_on_a_tpu``)."""
 
     exchange: object  # host_exchange.Exchange
     steps: int = 1
     collectives: int = 0
+    # torch_xla numbers its tensors as it makes them (``_xla_get_tensor_id``): those made
+    # after ``step_from`` and before ``early_to`` were pending at this step's cuts, or are
+    # its collectives' results, unless they were data already (a transfer) or a read has
+    # computed them (``read``).
+    step_from: int = 0
+    early_to: int = 0
+    cut_ran: bool = False  # a cut of this step ran pending work
+    compiled: int = 0  # inside a torch.compile'd function's graphs: results are data
+    read: set = dataclasses.field(default_factory=set)
 
     def record(self, name, args, kwargs, frame):
         """A collective call, before it runs, in the meeting's ledger."""
@@ -89,9 +100,53 @@ def calls_recorded():
 
 
 def _step_ended(caller):
-    """After a sync: counts the rank's steps."""
+    """After a sync: counts the rank's steps; the next step has computed nothing early."""
     if _rank is not None:
         _rank.steps += 1
+        _rank.step_from, _rank.early_to = _next_tensor_id(), 0
+        _rank.cut_ran = False
+        _rank.read.clear()
+
+
+@contextlib.contextmanager
+def inside_compiled_graphs():
+    """For the duration: a compiled function's graphs run, whose collectives' results a TPU
+    has computed when the function returns (it runs them inside one execution)."""
+    if _rank is None:
+        yield
+        return
+    _rank.compiled += 1
+    try:
+        yield
+    finally:
+        _rank.compiled -= 1
+
+
+def _next_tensor_id():
+    """The number torch_xla gives the next tensor it makes: from a placeholder, which has no
+    buffer and counts no op (torch_xla's own helper, used to stage out HLO)."""
+    placeholder = xla_builder.create_placeholder_tensor((), torch.bool)
+    return torch_xla._XLAC._xla_get_tensor_id(placeholder) + 1
+
+
+def pending_on_a_tpu(_, upstream):
+    """The registry's maker for ``launcher.reads.pending_on_a_tpu``: a TPU's answer in a rank
+    process. A value this step made before a collective, which the cut before it computed,
+    or the collective's result, is still to compute on a TPU, whose collective is inside
+    the step's graph: a read of it (``total += loss.item()`` after ``xm.optimizer_step``,
+    the weights' update pending beside it) cuts the step there, and not here. A value that
+    was data already (copied to the device) is taken for one of them (docs/simulation.md)."""
+
+    def as_on_a_tpu(tensor, pending):
+        if _rank is None or not (pending or _rank.cut_ran):
+            return upstream(tensor, pending)
+        number = torch_xla._XLAC._xla_get_tensor_id(tensor)
+        early = _rank.step_from < number < _rank.early_to and number not in _rank.read
+        if pending or early:
+            _rank.read.add(number)  # computed by this read, as a TPU's read computes it
+        return pending or early
+
+    return as_on_a_tpu
 
 
 def host_primitive(name, original):
@@ -145,6 +200,8 @@ def _share(call, tensors):
     # marker would also count a MarkStep, advance torch_xla's random seed and close the
     # user's profiler scopes, where on a TPU the collective is inside the step.
     device = torch_xla._XLAC._xla_get_default_device()
+    if any(torch_xla._XLAC._check_device_tensor_need_materialization(device)):
+        _rank.cut_ran = True
     torch_xla._XLAC._xla_sync_live_tensors(device, [], wait=False)
     host = [t.contiguous() for t in torch_xla._XLAC._xla_get_cpu_tensors(tensors)]
     exchange = _rank.exchange
@@ -189,6 +246,8 @@ def _to_device(tensors):
     device = torch_xla._XLAC._xla_get_default_device()
     on_device = torch_xla._XLAC._xla_tensors_from_aten(tensors, [device] * len(tensors), None)
     if not torch_xla._XLAC._get_use_eager_mode():
+        if _rank.cut_ran and not _rank.compiled:  # to compute on a TPU, like the cut's values
+            _rank.early_to = _next_tensor_id()
         return on_device
     torch_xla._XLAC._set_use_eager_mode(False)  # traced together, then run as one eager op
     try:

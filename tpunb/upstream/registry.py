@@ -123,6 +123,9 @@ PATCHES = (
           "tpunb.simulation.host_collectives:host_primitive", SIMULATION),
     Patch(_XM, ("all_reduce",), "host_collectives",
           "tpunb.simulation.host_collectives:host_all_reduce", SIMULATION),
+    # A read of a value the cut before a host collective computed early: pending on a TPU.
+    Patch("tpunb.launcher.reads", ("pending_on_a_tpu",), "reads_as_on_a_tpu",
+          "tpunb.simulation.host_collectives:pending_on_a_tpu", SIMULATION),
     Patch("sys", ("excepthook",), "torchrun_error_kept",
           "tpunb.simulation.torchrun:excepthook_keeping_error", SIMULATION),
     # xm.send and xm.recv, and the permute among some of the ranks (torch.distributed's send
