@@ -196,13 +196,16 @@ def host_all_reduce(_, all_reduce):
 def _share(call, tensors):
     """Steps 1 and 2: every rank's ``tensors``, as CPU tensors, in rank order, once every
     rank's ``call`` (its identity) is this one's."""
-    # The step's pending work runs (what the step marker runs), but no step ends: a step
-    # marker would also count a MarkStep, advance torch_xla's random seed and close the
-    # user's profiler scopes, where on a TPU the collective is inside the step.
-    device = torch_xla._XLAC._xla_get_default_device()
-    if any(torch_xla._XLAC._check_device_tensor_need_materialization(device)):
+    # Where an input is still to compute, the step's pending work runs (what the step
+    # marker runs), but no step ends: a step marker would also count a MarkStep, advance
+    # torch_xla's random seed and close the user's profiler scopes, where on a TPU the
+    # collective is inside the step. Where the inputs are data, nothing runs: the pending
+    # work stays in the step's graph, as on a TPU (an all-reduce of the loss after
+    # xm.optimizer_step leaves the weights' update there).
+    if any(torch_xla._XLAC._check_tensor_need_materialization(tensors)):
+        device = torch_xla._XLAC._xla_get_default_device()
         _rank.cut_ran = True
-    torch_xla._XLAC._xla_sync_live_tensors(device, [], wait=False)
+        torch_xla._XLAC._xla_sync_live_tensors(device, [], wait=False)
     host = [t.contiguous() for t in torch_xla._XLAC._xla_get_cpu_tensors(tensors)]
     exchange = _rank.exchange
     _rank.collectives += 1
