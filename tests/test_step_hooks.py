@@ -47,6 +47,7 @@ def test_the_installed_sync_runs_the_step_with_each_hook_in_order():
     result = run_python(
         """
         import torch, torch_xla, torch_xla.debug.metrics as met
+        import torch_xla.core.xla_model as xm
         from tpunb.upstream import registry, step_hooks
 
         events = []
@@ -61,6 +62,7 @@ def test_the_installed_sync_runs_the_step_with_each_hook_in_order():
         )
         x = torch.ones(3, device=torch_xla.device()) * 2
         torch_xla.sync()
+        xm.wait_device_ops()  # the step has run: sync returns before it has
         torch_xla.sync(wait=True)
         print(events)
         print(met.counter_value("ExecuteComputation"), x.cpu().tolist())
