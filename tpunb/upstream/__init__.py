@@ -38,7 +38,7 @@ _SIMULATION_READS = {
     "torch_xla._XLAC": (
         "_set_all_reduce_token",
         "_xla_sync_live_tensors",  # the cuts before a collective
-        "_check_device_tensor_need_materialization",  # whether a cut runs pending work
+        "_check_tensor_need_materialization",  # whether a collective's inputs need a cut
         "_xla_get_tensor_id",  # host_collectives.py: values the cuts computed early
         "_xla_get_default_device",
         "_xla_get_cpu_tensors",
