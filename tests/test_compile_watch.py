@@ -244,10 +244,12 @@ def _reads_around_the_all_reduce(rank):
     import torch_xla
     import torch_xla.core.xla_model as xm
 
-    model = torch.nn.Linear(4, 1).to(torch_xla.device())
+    device = torch_xla.device()
+    model = torch.nn.Linear(4, 1).to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    x = torch.ones(8, 4, device=torch_xla.device())
     for _ in range(STEPS):
+        # A batch copied to the device in the step, as torch_xla's loaders copy it: data.
+        x, y = xm.send_cpu_data_to_device([torch.ones(8, 4), torch.arange(8)], device)
         loss = model(x).pow(2).mean()
         loss.backward()
         doubled = loss * 2
@@ -255,6 +257,7 @@ def _reads_around_the_all_reduce(rank):
         xm.optimizer_step(optimizer)  # the all-reduce: inside the step's graph on a TPU
         loss.item()  # cuts
         doubled.item()  # computed by the read before the all-reduce: nothing to name
+        y.tolist()  # data before the all-reduce: nothing to name
         (xm.all_reduce(xm.REDUCE_SUM, loss.detach()) / 2).item()  # cuts
         xm.add_step_closure(lambda value: value.item(), args=(loss,))
         optimizer.zero_grad()

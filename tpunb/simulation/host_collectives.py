@@ -71,6 +71,7 @@ class _Rank:
     cut_ran: bool = False  # a cut of this step ran pending work
     compiled: int = 0  # inside a torch.compile'd function's graphs: results are data
     read: set = dataclasses.field(default_factory=set)
+    copied: set = dataclasses.field(default_factory=set)  # copied to the device: data
 
     def record(self, name, args, kwargs, frame):
         """A collective call, before it runs, in the meeting's ledger."""
@@ -106,6 +107,8 @@ def _step_ended(caller):
         _rank.step_from, _rank.early_to = _next_tensor_id(), 0
         _rank.cut_ran = False
         _rank.read.clear()
+        # In place, as the loader's thread may add to it now (a copy is taken whole).
+        _rank.copied -= {number for number in _rank.copied.copy() if number <= _rank.step_from}
 
 
 @contextlib.contextmanager
@@ -141,12 +144,30 @@ def pending_on_a_tpu(_, upstream):
         if _rank is None or not (pending or _rank.cut_ran):
             return upstream(tensor, pending)
         number = torch_xla._XLAC._xla_get_tensor_id(tensor)
-        early = _rank.step_from < number < _rank.early_to and number not in _rank.read
+        early = _rank.step_from < number < _rank.early_to
+        early = early and number not in _rank.read and number not in _rank.copied
         if pending or early:
             _rank.read.add(number)  # computed by this read, as a TPU's read computes it
         return pending or early
 
     return as_on_a_tpu
+
+
+def copies_recorded(_, tensors_from_aten):
+    """The registry's maker for torch_xla's copy of host tensors to the device (what
+    ``xm.send_cpu_data_to_device`` and so torch_xla's loaders call): in a rank process, the
+    copies' numbers are kept, data before any collective of the step (``pending_on_a_tpu``).
+    A tensor made with ``.to(device)`` or ``torch.tensor(..., device=...)`` is copied in
+    torch_xla's C++ and is not seen here (docs/simulation.md)."""
+
+    @functools.wraps(tensors_from_aten)
+    def copy_recorded(*args, **kwargs):
+        copies = tensors_from_aten(*args, **kwargs)
+        if _rank is not None:  # the loader's thread too: the set takes its adds whole
+            _rank.copied.update(map(torch_xla._XLAC._xla_get_tensor_id, copies))
+        return copies
+
+    return copy_recorded
 
 
 def host_primitive(name, original):
@@ -248,6 +269,8 @@ def _to_device(tensors):
     as pytorch/xla's test_eager_all_reduce_in_place.py checks), they arrive through one too."""
     device = torch_xla._XLAC._xla_get_default_device()
     on_device = torch_xla._XLAC._xla_tensors_from_aten(tensors, [device] * len(tensors), None)
+    # The results are the collective's, not copies of the program's (``copies_recorded``).
+    _rank.copied.difference_update(map(torch_xla._XLAC._xla_get_tensor_id, on_device))
     if not torch_xla._XLAC._get_use_eager_mode():
         if _rank.cut_ran and not _rank.compiled:  # to compute on a TPU, like the cut's values
             _rank.early_to = _next_tensor_id()

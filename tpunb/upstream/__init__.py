@@ -42,7 +42,6 @@ _SIMULATION_READS = {
         "_xla_get_tensor_id",  # host_collectives.py: values the cuts computed early
         "_xla_get_default_device",
         "_xla_get_cpu_tensors",
-        "_xla_tensors_from_aten",
         "_replace_xla_tensor",  # host_collectives.py: the out= forms
         "_xla_increment_counter",  # the counters a TPU's collectives count
         "_get_tensors_xla_device_data_node",
@@ -81,6 +80,7 @@ SIGNATURES = {
     "torch_xla._XLAC._xla_reduce_scatter_coalesced": "8 arguments",
     "torch_xla._XLAC._xla_reduce_scatter_coalesced_out": "9 arguments",
     "torch_xla._XLAC._xla_reduce_scatter_out": "9 arguments",
+    "torch_xla._XLAC._xla_tensors_from_aten": "tensors, devices, shardings",
     "torch_xla._dynamo.dynamo_bridge.InputCollector.run_node": "self, n",
     "torch_xla._dynamo.dynamo_bridge.UnsupportedNodesCollector.run_node": "self, n",
     "torch_xla._dynamo.dynamo_bridge.extract_compiled_graph_helper": "xla_model, xla_args",
@@ -123,14 +123,18 @@ SIGNATURES = {
 
 def parameters(value: object) -> str | None:
     """What a replacement relies on of ``value``: a Python function's parameter names, or a
-    C++ binding's count of arguments (its docstring's first line); None if neither reads."""
+    C++ binding's (its docstring's first line): their names, or their count where pybind11
+    names them ``arg0``, ``arg1``...; None if neither reads."""
     try:
         return ", ".join(inspect.signature(value).parameters)  # type: ignore[arg-type]
     except (TypeError, ValueError):
         first = (getattr(value, "__doc__", None) or "").strip().split("\n")[0]
-        if re.match(r"\w+\(.*\) ->", first):
-            return f"{len(re.findall(r'arg[0-9]+:', first))} arguments"
-        return None
+        if not re.match(r"\w+\(.*\) ->", first):
+            return None
+        names = re.findall(r"(\w+): ", first)
+        if all(re.fullmatch(r"arg[0-9]+", name) for name in names):
+            return f"{len(names)} arguments"
+        return ", ".join(names)
 
 
 def changed(scopes: tuple[str, ...]) -> list[str]:

@@ -126,6 +126,8 @@ PATCHES = (
     # A read of a value the cut before a host collective computed early: pending on a TPU.
     Patch("tpunb.launcher.reads", ("pending_on_a_tpu",), "reads_as_on_a_tpu",
           "tpunb.simulation.host_collectives:pending_on_a_tpu", SIMULATION),
+    Patch(_XLAC, ("_xla_tensors_from_aten",), "reads_as_on_a_tpu",
+          "tpunb.simulation.host_collectives:copies_recorded", SIMULATION),
     Patch("sys", ("excepthook",), "torchrun_error_kept",
           "tpunb.simulation.torchrun:excepthook_keeping_error", SIMULATION),
     # xm.send and xm.recv, and the permute among some of the ranks (torch.distributed's send
