@@ -320,3 +320,16 @@ def test_the_lightning_range_is_checked_by_minor_version():
     outside = ["2.1.3", "2.7.0", "3.0.0"]
     assert [versions.lightning_supported(v) for v in supported] == [True] * 3
     assert [versions.lightning_supported(v) for v in outside] == [False] * 3
+
+
+def test_the_lightning_extra_installs_the_supported_range_only():
+    # Lightning's source after 2.6 moves its XLA strategies into pytorch_lightning_enterprise.
+    import tomllib
+
+    from tpunb.upstream import versions
+
+    low, high = versions.SUPPORTED_LIGHTNING
+    major, minor = map(int, high.split("."))
+    project = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    extra = project["project"]["optional-dependencies"]["lightning"]
+    assert extra == [f"lightning>={low},<{major}.{minor + 1}"]
