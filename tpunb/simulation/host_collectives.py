@@ -35,6 +35,7 @@ import torch_xla.runtime as xr
 from torch_xla.core import xla_builder
 
 from tpunb.errors import RankEnded
+from tpunb.upstream import patching
 from tpunb.watch import collective_calls
 from tpunb.watch.collective_calls import identity
 
@@ -268,9 +269,10 @@ def _to_device(tensors):
     TPU runs the collective as one eager computation (counted in ``EagerOpExecuteTime``,
     as pytorch/xla's test_eager_all_reduce_in_place.py checks), they arrive through one too."""
     device = torch_xla._XLAC._xla_get_default_device()
-    on_device = torch_xla._XLAC._xla_tensors_from_aten(tensors, [device] * len(tensors), None)
-    # The results are the collective's, not copies of the program's (``copies_recorded``).
-    _rank.copied.difference_update(map(torch_xla._XLAC._xla_get_tensor_id, on_device))
+    # torch_xla's own copy: the results are the collective's, not copies of the program's,
+    # which ``copies_recorded`` keeps.
+    copy = patching.upstream(torch_xla._XLAC._xla_tensors_from_aten)
+    on_device = copy(tensors, [device] * len(tensors), None)
     if not torch_xla._XLAC._get_use_eager_mode():
         if _rank.cut_ran and not _rank.compiled:  # to compute on a TPU, like the cut's values
             _rank.early_to = _next_tensor_id()
