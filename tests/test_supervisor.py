@@ -193,3 +193,25 @@ def test_a_watcher_named_wrong_is_an_error_not_a_watcher_silently_off():
     with pytest.raises(ValueError, match="no watcher called 'memroy'"):
         Plan(2, True).watches("memroy")
     assert Plan(2, True, unwatched=frozenset({"memory"})).watches("compiles")
+
+
+def test_the_supervisor_sees_a_rank_process_end_without_reaping_it():
+    # It read process.exitcode, which reaps. The thread of xmp.spawn's ProcessPoolExecutor,
+    # blocked in that process's join, then got ECHILD: its join returned without the exit
+    # code and left the process, and two pipes, in multiprocessing's set of children
+    # (cpython #130895); one launch in ten left them so on this machine.
+    import multiprocessing
+    import multiprocessing.connection
+    import os
+
+    from tpunb.launcher import processes
+
+    process = multiprocessing.get_context("fork").Process(target=os._exit, args=(3,))
+    process.start()
+    assert multiprocessing.connection.wait([process.sentinel], timeout=120)  # a fence
+    assert processes.ended(process)
+    # Still a zombie, for its joiner to reap.
+    assert os.waitid(os.P_PID, process.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+    process.join()
+    assert process.exitcode == 3
+    assert process not in multiprocessing.process._children

@@ -2,6 +2,7 @@
 and stopping them."""
 
 import contextlib
+import multiprocessing.connection
 import os
 import signal
 import threading
@@ -23,6 +24,15 @@ def descendants(pid):
             found.append(child)
             todo.append(child)
     return found
+
+
+def ended(process):
+    """Whether the started ``multiprocessing.Process`` has ended, read from its sentinel
+    without reaping it. Reaping is left to the thread that joins it (ProcessPoolExecutor's, in
+    ``xmp.spawn``): a ``process.exitcode`` read here could reap it first, and that join would
+    then return without the exit code and leave the process, and its two pipes, in
+    multiprocessing's set of children (cpython #130895)."""
+    return bool(multiprocessing.connection.wait([process.sentinel], timeout=0))
 
 
 def kill_trees(pids):

@@ -214,8 +214,8 @@ class _Supervisor:
         processes.kill_trees(self._pids())
 
     def _pids(self):
-        # Only processes not yet reaped: a reaped one's pid may already name another.
-        return [process.pid for process in self.processes if process.exitcode is None]
+        # Only live processes: an ended one's pid, once reaped, may already name another.
+        return [process.pid for process in self.processes if not processes.ended(process)]
 
     def _warn(self, messages):
         for message in messages:
@@ -231,7 +231,7 @@ class _Supervisor:
         # Only ranks stopped by another's end (simulated cores): the cause is that rank's,
         # known once every rank has ended (its error, its exit, or calls the judge names).
         beat = self.job.heartbeat
-        exited = {process.pid for process in self.processes if process.exitcode is not None}
+        exited = {process.pid for process in self.processes if processes.ended(process)}
         return all(beat.returned(r) or beat.pid(r) in exited for r in range(self.plan.cores))
 
     def _diverged(self):
@@ -268,7 +268,7 @@ class _Supervisor:
             beat = self.job.heartbeat
             raise failures.lost_error(
                 missing,
-                exits=[(p.pid, p.exitcode) for p in self.processes],
+                exits=[(p.pid, p.exitcode) for p in self.processes],  # all joined by now
                 rank_pids={r: beat.pid(r) for r in expected if beat.pid(r)},
                 simulated=self.plan.simulated,
                 launcher_error=self.ended.error if self.ended else None,
