@@ -38,6 +38,12 @@ def test_the_readme_and_every_notebook_install_from_the_one_constant():
         assert set(SOURCE.findall(notebook.read_text())) == {versions.INSTALL_FROM}
 
 
+def test_the_readme_stays_a_newcomers_page():
+    # What tpunb is, install, first run, the lessons, where it runs: developer and CI
+    # material lives in docs/. It had grown past this, one table at a time.
+    assert len((ROOT / "README.md").read_text()) <= 14_000
+
+
 def test_the_sdist_and_the_wheel_pass_twine_and_install_alone(tmp_path):
     dist = tmp_path / "dist"
     subprocess.run(
