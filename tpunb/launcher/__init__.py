@@ -23,7 +23,7 @@ The machinery, one file a responsibility, in the order a launch meets it:
                     Returned) and the pipe that carries them, by value
     heartbeat.py    per-rank progress in shared memory, stacks on demand, the watchdog
     failures.py     what a failure is reported as, with its likely cause
-    processes.py    the launch's processes: recorded, found, killed
+    processes.py    the launch's processes: recorded, seen to end, found, killed
 
 What tpunb.lightning uses (its launcher is Lightning's own): ``preflight.checked``,
 ``preflight.check_runtime_not_started`` (again at fit), ``launchers.Launcher``,

@@ -1,5 +1,5 @@
-"""The launch's child processes: recording them, finding their descendants (Linux /proc),
-and stopping them."""
+"""The launch's child processes: recording them, seeing them end (without reaping them),
+finding their descendants (Linux /proc), and stopping them."""
 
 import contextlib
 import multiprocessing.connection
