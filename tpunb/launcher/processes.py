@@ -2,7 +2,6 @@
 finding their descendants (Linux /proc), and stopping them."""
 
 import contextlib
-import multiprocessing.connection
 import os
 import signal
 import threading
@@ -27,12 +26,17 @@ def descendants(pid):
 
 
 def ended(process):
-    """Whether the started ``multiprocessing.Process`` has ended, read from its sentinel
-    without reaping it. Reaping is left to the thread that joins it (ProcessPoolExecutor's, in
-    ``xmp.spawn``): a ``process.exitcode`` read here could reap it first, and that join would
-    then return without the exit code and leave the process, and its two pipes, in
-    multiprocessing's set of children (cpython #130895)."""
-    return bool(multiprocessing.connection.wait([process.sentinel], timeout=0))
+    """Whether the started ``multiprocessing.Process`` has ended: exited, or reaped already.
+    Asked with ``waitid``'s WNOWAIT, which leaves it to be reaped by the thread that joins it
+    (ProcessPoolExecutor's, in ``xmp.spawn``): a ``process.exitcode`` read here could reap it
+    first, and that join would then return without the exit code and leave the process, and
+    its two pipes, in multiprocessing's set of children (cpython #130895). (Its sentinel
+    would not do: a process it forked keeps that pipe open after it ends.)"""
+    try:
+        flags = os.WEXITED | os.WNOHANG | os.WNOWAIT
+        return os.waitid(os.P_PID, process.pid, flags) is not None
+    except ChildProcessError:  # reaped already
+        return True
 
 
 def kill_trees(pids):
